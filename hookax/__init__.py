@@ -1,0 +1,20 @@
+"""hookax: PyTorch-style hooks, interceptors and activation capture for JAX models.
+
+>>> import hookax as hx
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from ._context import Context as Context
+from ._errors import HookaxError as HookaxError
+from ._errors import HookError as HookError
+from ._errors import SelectorError as SelectorError
+from ._intercept import Interceptor as Interceptor
+from ._intercept import intercept as intercept
+from ._select import Select as Select
+from ._select import Selector as Selector
+
+try:
+    __version__ = version("hookax")
+except PackageNotFoundError:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"

@@ -1,0 +1,154 @@
+"""Call-site context, the per-thread call stack, and the jit-cache-keyed set of active scopes.
+
+Two pieces of state exist, both per thread:
+
+* ``ACTIVE``: a :func:`jax.make_user_context` whose value is a tuple of the active scoped entries
+  (interceptors, scoped hooks, captures). Its value is part of every jit cache key, so a function
+  traced with one set of entries is never reused with another. Entries compare by value, so
+  entering a block again with the same objects hits every cache.
+* the call stack of module method calls in progress, used to find the root and the paths of call
+  sites, and to see a ``super().__call__`` as the same call site.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+
+__all__ = ["ACTIVE", "Context", "Frame", "active_entries", "call_stack", "path_str"]
+
+ACTIVE = jax.make_user_context(())
+_ACTIVE_VALUE = ACTIVE._obj  # the C++ config object: reading `.value` here is the fast path
+
+
+def active_entries() -> tuple[Any, ...]:
+    """The scoped entries active on this thread, outermost first."""
+    return _ACTIVE_VALUE.value
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Frame] = []
+
+
+_LOCAL = _Local()
+
+
+def call_stack() -> list[Frame]:
+    """The module method calls in progress on this thread, outermost first."""
+    return _LOCAL.stack
+
+
+def path_str(path: tuple[Any, ...]) -> str:
+    """The string form of a path: keys joined with ``/``.
+
+    >>> path_str(("layers", 0, "attn"))
+    'layers/0/attn'
+    """
+    return "/".join(str(k) for k in path)
+
+
+class Frame:
+    """One call site in progress: a module, a method name, and how to find its path."""
+
+    __slots__ = ("_path", "_paths", "adapter", "method", "module", "parent")
+
+    def __init__(self, module: Any, method: str, parent: Frame | None, adapter: Any) -> None:
+        self.module = module
+        self.method = method
+        self.parent = parent
+        self.adapter = adapter
+        self._path: tuple[Any, ...] | None = None
+        self._paths: dict[int, tuple[tuple[Any, ...], Any]] | None = None
+
+    def _roots(self) -> Iterator[Frame]:
+        """Frames whose module is a root for path lookups: innermost local root first."""
+        f = self.parent
+        while f is not None:
+            if f.path == ():
+                yield f
+            f = f.parent
+
+    def _lookup(self, module: Any) -> tuple[Any, ...] | None:
+        if self._paths is None:
+            self._paths = {id(m): (p, m) for p, m in self.adapter.iter_modules(self.module)}
+        for m in self.adapter.aliases(module):
+            hit = self._paths.get(id(m))
+            if hit is not None and hit[1] is m:
+                return hit[0]
+        return None
+
+    @property
+    def path(self) -> tuple[Any, ...]:
+        if self._path is None:
+            if self.parent is None:
+                self._path = ()
+                return ()
+            path: tuple[Any, ...] | None = None
+            for root in self._roots():
+                path = root._lookup(self.module)
+                if path is not None:
+                    break
+            # Not reachable from any root in progress: this module is a root of its own.
+            self._path = () if path is None else path
+        return self._path
+
+    @property
+    def key(self) -> str:
+        s = path_str(self.path)
+        return s if self.method == "__call__" else f"{s}:{self.method}"
+
+
+class Context:
+    """What an interceptor or selector knows about one call site. Immutable.
+
+    Attributes:
+      module: the module whose method is called.
+      method: the method's name (``"__call__"``, ``"encode"``, ...).
+      path: the tuple of keys from the root module (the outermost module whose method call is
+        in progress) to ``module``; the root's path is ``()``.
+      key: the call site's key: the path string, plus ``":" + method`` unless ``__call__``.
+      orig_method: the method, bound to ``module``; calling it skips the interceptors that
+        remain (the module's own hooks still run).
+    """
+
+    __slots__ = ("_frame", "orig_method")
+
+    _frame: Frame
+    orig_method: Callable[..., Any]
+
+    def __init__(self, frame: Frame, orig_method: Callable[..., Any]) -> None:
+        object.__setattr__(self, "_frame", frame)
+        object.__setattr__(self, "orig_method", orig_method)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"hx.Context is immutable; cannot set {name!r}")
+
+    @property
+    def module(self) -> Any:
+        return self._frame.module
+
+    @property
+    def method(self) -> str:
+        return self._frame.method
+
+    @property
+    def path(self) -> tuple[Any, ...]:
+        return self._frame.path
+
+    @property
+    def path_str(self) -> str:
+        return path_str(self._frame.path)
+
+    @property
+    def key(self) -> str:
+        return self._frame.key
+
+    def __repr__(self) -> str:
+        return (
+            f"Context(key={self.key!r}, module={type(self.module).__name__}, "
+            f"method={self.method!r})"
+        )

@@ -1,0 +1,105 @@
+"""The single function every intercepted module method call goes through.
+
+A framework adapter wraps module methods once; each wrapper checks ``is_idle()`` and, when
+something is active, calls :func:`call`. ``call`` builds the call site's frame and context, runs the
+matching interceptors (outermost first), then the hooks and the method itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from . import _context, _errors
+
+__all__ = ["call", "hooks_registered", "is_idle"]
+
+# Number of modules anywhere that carry per-module hooks; zero keeps the fast path to one check.
+_REGISTERED = [0]
+_active = _context._ACTIVE_VALUE
+
+
+def is_idle() -> bool:
+    """True when no scoped entry is active on this thread and no module has hooks."""
+    return not _active.value and not _REGISTERED[0]
+
+
+def hooks_registered(delta: int) -> None:
+    _REGISTERED[0] += delta
+
+
+def _describe(frame: _context.Frame) -> str:
+    return f"call site {frame.key!r} ({type(frame.module).__name__}.{frame.method})"
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+# The hooks layer (per-module and scoped hooks) plugs in here; see ``_hooks.run``.
+def _plain(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    return fn(frame.module, *args, **kwargs)
+
+
+run_method: list[Callable[..., Any]] = [_plain]
+
+
+def call(
+    fn: Callable[..., Any], method: str, module: Any, args: tuple, kwargs: dict, adapter: Any
+) -> Any:
+    """Run ``fn(module, *args, **kwargs)`` as the call site ``module.method``."""
+    stack = _context.call_stack()
+    parent = stack[-1] if stack else None
+    if parent is not None and parent.module is module and parent.method == method:
+        # super().method(...) from an overriding method: the same call site, seen once.
+        return fn(module, *args, **kwargs)
+    frame = _context.Frame(module, method, parent, adapter)
+    stack.append(frame)
+    try:
+        return _run(frame, fn, args, kwargs)
+    except BaseException as e:
+        _errors.add_note(e, f"hookax: raised in {_describe(frame)}")
+        raise
+    finally:
+        stack.pop()
+        if not stack:
+            adapter.root_done()
+
+
+def _run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    run = run_method[0]
+
+    def inner(*a: Any, **k: Any) -> Any:
+        try:
+            return run(frame, fn, a, k)
+        except BaseException as e:
+            _errors.add_note(e, f"hookax: raised in {_describe(frame)}")
+            raise
+
+    entries = _active.value
+    if not entries:
+        return inner(*args, **kwargs)
+    ctx = _context.Context(frame, inner)
+    chain = [e for e in entries if e.kind == "intercept" and e.selector.matches(ctx)]
+    if not chain:
+        return inner(*args, **kwargs)
+    return _link(chain, 0, inner, ctx, frame)(*args, **kwargs)
+
+
+def _link(
+    chain: list[Any], i: int, inner: Callable[..., Any], ctx: Any, frame: _context.Frame
+) -> Callable[..., Any]:
+    if i == len(chain):
+        return inner
+    interceptor = chain[i].fn
+
+    def next_fun(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return interceptor(_link(chain, i + 1, inner, ctx, frame), args, kwargs, ctx)
+        except BaseException as e:
+            _errors.add_note(
+                e, f"hookax: raised in interceptor {_name(interceptor)} at {_describe(frame)}"
+            )
+            raise
+
+    return next_fun

@@ -1,0 +1,80 @@
+"""``hx.intercept``: scoped method interceptors, cache-correct under jit."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from . import _context
+from . import frameworks as _frameworks
+from ._select import ALL_METHODS, Selector, as_selector
+
+__all__ = ["Entry", "Interceptor", "intercept", "scoped"]
+
+
+class Interceptor(Protocol):
+    """``interceptor(next_fun, args, kwargs, context) -> output`` (Linen's signature)."""
+
+    def __call__(
+        self,
+        next_fun: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        context: _context.Context,
+    ) -> Any: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One active scoped thing. Compared by value: it is part of the jit cache key."""
+
+    kind: str
+    fn: Any
+    selector: Selector
+
+
+@contextlib.contextmanager
+def scoped(entry: Entry) -> Iterator[None]:
+    """Make ``entry`` active on this thread for the block (innermost last)."""
+    _frameworks.ensure_installed()
+    with _context.ACTIVE((*_context.active_entries(), entry)):
+        yield
+
+
+def intercept(interceptor: Interceptor, *, where: Any = None) -> contextlib.AbstractContextManager:
+    """Intercept module method calls in this thread for the duration of a ``with`` block.
+
+    ``interceptor(next_fun, args, kwargs, context)`` runs instead of each selected method call;
+    ``next_fun(*args, **kwargs)`` runs the rest of the chain (inner interceptors, hooks, the
+    method). The first-entered interceptor is the outermost. Under ``jax.jit`` the interceptor
+    runs while tracing; the active interceptors are part of the jit cache key, so a function
+    traced inside the block is never reused outside it. Pass the same interceptor object each
+    time: one created afresh for each call gives a new cache key, and so a new trace (and, in
+    eager mode, a recompile of each operation).
+
+    Args:
+      interceptor: the function to run around each selected call.
+      where: which call sites; default every public method and ``__call__`` of every module.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import hookax as hx
+    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> def show(next_fun, args, kwargs, context):
+    ...     out = next_fun(*args, **kwargs)
+    ...     print(type(context.module).__name__, context.method, out.shape)
+    ...     return out
+    >>> with hx.intercept(show):
+    ...     _ = model(jnp.ones((4, 2)))
+    Linear __call__ (4, 3)
+    """
+    if not callable(interceptor):
+        from ._errors import HookaxError
+
+        raise HookaxError(
+            f"hx.intercept expects a callable interceptor(next_fun, args, kwargs, context), "
+            f"got {interceptor!r}."
+        )
+    return scoped(Entry("intercept", interceptor, as_selector(where, ALL_METHODS)))

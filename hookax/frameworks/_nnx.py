@@ -1,0 +1,149 @@
+"""Flax NNX: wrap the methods of every ``nnx.Module`` subclass once; paths from the graph."""
+
+from __future__ import annotations
+
+import functools
+import threading
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from flax import nnx
+from flax.nnx import graphlib
+
+from .. import _context, _dispatch
+
+__all__ = ["ADAPTER", "install", "wrap_class"]
+
+_MARK = "__hookax_wrapped__"
+_active = _context._ACTIVE_VALUE
+_registered = _dispatch._REGISTERED
+_call = _dispatch.call
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        # id(inner module) -> (inner, outer): modules an NNX transform rebuilt inside its body.
+        self.aliases: dict[int, tuple[Any, Any]] = {}
+
+
+class NNXAdapter:
+    name = "nnx"
+
+    def __init__(self) -> None:
+        self._local = _Local()
+
+    def is_module(self, obj: Any) -> bool:
+        return isinstance(obj, nnx.Module)
+
+    def iter_modules(self, root: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
+        for path, node in graphlib.iter_graph(root):
+            if isinstance(node, nnx.Module):
+                yield tuple(path), node
+
+    def aliases(self, module: Any) -> Iterator[Any]:
+        table = self._local.aliases
+        seen = 0
+        while module is not None and seen < 64:
+            yield module
+            hit = table.get(id(module))
+            module = hit[1] if hit is not None and hit[0] is module else None
+            seen += 1
+
+    def record_aliases(self, ctx: Any) -> None:
+        inner_refs = ctx.outer_index_inner_ref
+        outer_refs = ctx.outer_index_outer_ref
+        if not inner_refs or not outer_refs:
+            return
+        table = self._local.aliases
+        for index, inner in inner_refs.items():
+            outer = outer_refs.get(index)
+            if outer is not None and outer is not inner and isinstance(inner, nnx.Module):
+                table[id(inner)] = (inner, outer)
+
+    def root_done(self) -> None:
+        self._local.aliases.clear()
+
+
+ADAPTER = NNXAdapter()
+
+
+def _wrap(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
+    adapter = ADAPTER
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _active.value and not _registered[0]:
+            return fn(self, *args, **kwargs)
+        return _call(fn, name, self, args, kwargs, adapter)
+
+    setattr(wrapper, _MARK, fn)
+    return wrapper
+
+
+def _internal_classes() -> tuple[type, ...]:
+    from flax.nnx.bridge import module as bridge_module
+    from flax.nnx.transforms import transforms as nnx_transforms
+
+    return (nnx.List, nnx.Dict, bridge_module.Module, nnx_transforms.LiftedModule)
+
+
+_BASE_NAMES = frozenset(n for n in dir(nnx.Module) if n != "__call__")
+
+
+def _is_call_site(cls: type, name: str, value: Any) -> bool:
+    if name in _BASE_NAMES or not (name == "__call__" or not name.startswith("_")):
+        return False
+    if not isinstance(value, types.FunctionType) or hasattr(value, _MARK):
+        return False
+    # A function defined in the class body; `act = some_function` assigned from outside is
+    # an attribute that happens to be a function, not a method of this module.
+    return value.__qualname__.startswith(cls.__qualname__ + ".")
+
+
+def wrap_class(cls: type) -> None:
+    """Make the methods ``cls`` itself defines interceptable (idempotent)."""
+    if cls.__dict__.get("__hookax_class__") or cls in _INTERNAL:
+        return
+    for name, value in list(vars(cls).items()):
+        if _is_call_site(cls, name, value):
+            type.__setattr__(cls, name, _wrap(value, name))
+    type.__setattr__(cls, "__hookax_class__", True)
+
+
+def _subclasses(cls: type) -> Iterator[type]:
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+_INTERNAL: tuple[type, ...] = ()
+
+
+def install() -> None:
+    """Wrap every existing ``nnx.Module`` subclass and every one defined from now on."""
+    global _INTERNAL
+    _INTERNAL = _internal_classes()
+    prev = nnx.Module.__dict__.get("__init_subclass__")
+
+    def __init_subclass__(cls: type, **kwargs: Any) -> None:
+        if prev is not None:
+            prev.__get__(None, cls)(**kwargs)
+        else:
+            super(nnx.Module, cls).__init_subclass__(**kwargs)  # type: ignore[misc]
+        wrap_class(cls)
+
+    nnx.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
+    for cls in list(_subclasses(nnx.Module)):
+        wrap_class(cls)
+
+    update_ctx = graphlib.UpdateContext
+    orig_unflatten_end = update_ctx.unflatten_end
+
+    @functools.wraps(orig_unflatten_end)
+    def unflatten_end(self: Any, index_ref: Any, inner_merge: bool) -> None:
+        orig_unflatten_end(self, index_ref, inner_merge)
+        if inner_merge and _context.call_stack():
+            ADAPTER.record_aliases(self)
+
+    update_ctx.unflatten_end = unflatten_end  # type: ignore[method-assign]
