@@ -63,20 +63,19 @@ def glob_to_regex(pattern: str) -> re.Pattern[str]:
     True
     >>> bool(glob_to_regex("layers/*").fullmatch("layers/3/attn"))
     False
+    >>> bool(glob_to_regex("*").fullmatch(""))  # the root has no segment
+    False
     """
-    out = []
-    for tok in re.split(r"(\*\*/|/\*\*$|\*\*|\*)", pattern):
-        if tok == "**/":
-            out.append(r"(?:[^/]*/)*")
-        elif tok == "/**":
-            out.append(r"(?:/.*)?")
-        elif tok == "**":
-            out.append(r".*")
-        elif tok == "*":
-            out.append(r"[^/]*")
-        else:
-            out.append(re.escape(tok))
-    return re.compile("".join(out))
+    segs = pattern.split("/")
+    out = ""
+    for i, seg in enumerate(segs):
+        if seg == "**":
+            out += ".*" if len(segs) == 1 else "(?:[^/]+/)*" if i == 0 else "(?:/[^/]+)*"
+            continue
+        sep = "/" if i > 0 and not (i == 1 and segs[0] == "**") else ""
+        body = "[^/]+" if seg == "*" else re.escape(seg).replace(r"\*", "[^/]*")
+        out += sep + body
+    return re.compile(out)
 
 
 def _as_tuple(x: Any) -> tuple[Any, ...] | None:
