@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from . import _context
 from . import frameworks as _frameworks
+from ._fnkey import FnKey
 from ._select import ALL_METHODS, Selector, as_selector
 
 __all__ = ["Entry", "Interceptor", "intercept", "scoped"]
@@ -31,8 +32,12 @@ class Entry:
     """One active scoped thing. Compared by value: it is part of the jit cache key."""
 
     kind: str
-    fn: Any
+    key: FnKey
     selector: Selector
+
+    @property
+    def fn(self) -> Any:
+        return self.key.fn
 
 
 @contextlib.contextmanager
@@ -50,9 +55,11 @@ def intercept(interceptor: Interceptor, *, where: Any = None) -> contextlib.Abst
     ``next_fun(*args, **kwargs)`` runs the rest of the chain (inner interceptors, hooks, the
     method). The first-entered interceptor is the outermost. Under ``jax.jit`` the interceptor
     runs while tracing; the active interceptors are part of the jit cache key, so a function
-    traced inside the block is never reused outside it. Pass the same interceptor object each
-    time: one created afresh for each call gives a new cache key, and so a new trace (and, in
-    eager mode, a recompile of each operation).
+    traced inside the block is never reused outside it. The key is value-stable: the same
+    interceptor, or a function re-created with the same code over the same closure objects
+    (e.g. a lambda written inside a training step), hits every cache. A function closing over a
+    new object or constant each call gets a new key, and so a new trace (and, in eager mode, a
+    recompile of each operation): pass such values as arrays, or define the function once.
 
     Args:
       interceptor: the function to run around each selected call.
@@ -77,4 +84,4 @@ def intercept(interceptor: Interceptor, *, where: Any = None) -> contextlib.Abst
             f"hx.intercept expects a callable interceptor(next_fun, args, kwargs, context), "
             f"got {interceptor!r}."
         )
-    return scoped(Entry("intercept", interceptor, as_selector(where, ALL_METHODS)))
+    return scoped(Entry("intercept", FnKey(interceptor), as_selector(where, ALL_METHODS)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -13,9 +15,7 @@ class MLP(nnx.Module):
     def __init__(self, din: int = 3, width: int = 4, depth: int = 3, *, seed: int = 0) -> None:
         rngs = nnx.Rngs(seed)
         dims = [din] + [width] * depth
-        self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs) for a, b in zip(dims[:-1], dims[1:])]
-        )
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(dims)])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         for i, layer in enumerate(self.layers):

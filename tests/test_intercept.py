@@ -330,7 +330,14 @@ def test_jit_cache_is_keyed_by_active_interceptors(traces):
     assert traces.n == 3
 
 
-def test_jax_jit_cache_and_fresh_interceptor_retraces(traces):
+def scale_by(k):
+    def ic(next_fun, args, kwargs, context):
+        return next_fun(*args, **kwargs) * k
+
+    return ic
+
+
+def test_jax_jit_cache_key_is_value_stable_for_fresh_functions(traces):
     model, x = MLP(), jnp.ones((2, 3))
 
     @jax.jit
@@ -338,14 +345,22 @@ def test_jax_jit_cache_and_fresh_interceptor_retraces(traces):
         traces()
         return model(x)
 
+    plain = model(x)
     for _ in range(3):
         with hx.intercept(double_linear):
             f(x)
     assert traces.n == 1
-    for _ in range(2):
-        with hx.intercept(lambda n, a, k, c: n(*a, **k)):  # a fresh object every time
-            f(x)
+    for _ in range(3):  # a lambda re-created every step, over nothing new: same key, no retrace
+        with hx.intercept(lambda n, a, k, c: n(*a, **k) * 2, where="layers/2"):
+            np.testing.assert_allclose(f(x), 2 * plain, rtol=1e-6)
+    assert traces.n == 2
+    for _ in range(2):  # re-created with an equal constant: still the same program
+        with hx.intercept(scale_by(3.0), where="layers/2"):
+            np.testing.assert_allclose(f(x), 3 * plain, rtol=1e-6)
     assert traces.n == 3
+    with hx.intercept(scale_by(4.0), where="layers/2"):  # a new constant: a new program
+        np.testing.assert_allclose(f(x), 4 * plain, rtol=1e-6)
+    assert traces.n == 4
 
 
 def test_thread_local():
@@ -441,7 +456,8 @@ def test_idle_wrapper_calls_method_directly():
 def test_import_hookax_imports_no_framework():
     code = (
         "import sys, hookax; "
-        "bad = [m for m in ('flax', 'equinox', 'haiku', 'rich', 'matplotlib') if m in sys.modules]; "
+        "names = ('flax', 'equinox', 'haiku', 'rich', 'matplotlib'); "
+        "bad = [m for m in names if m in sys.modules]; "
         "print(bad)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -112,6 +112,7 @@ def wrap_class(cls: type) -> None:
 
 
 def _subclasses(cls: type) -> Iterator[type]:
+    sub: type
     for sub in cls.__subclasses__():
         yield sub
         yield from _subclasses(sub)

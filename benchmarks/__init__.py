@@ -1,0 +1,1 @@
+"""hookax benchmarks: ``python -m benchmarks [name ...]`` (or ``make bench``)."""

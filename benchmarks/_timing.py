@@ -1,0 +1,30 @@
+"""Interleaved timing: every configuration runs in each round, so machine noise hits all alike."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+
+def interleaved(
+    configs: dict[str, Callable[[], object]], *, rounds: int, inner: dict[str, int] | int
+) -> dict[str, float]:
+    """Median seconds per call of each config, measured round-robin over ``rounds`` rounds."""
+    samples: dict[str, list[float]] = {name: [] for name in configs}
+    for fn in configs.values():  # warm up: compile and fill every cache first
+        fn()
+    for _ in range(rounds):
+        for name, fn in configs.items():
+            n = inner if isinstance(inner, int) else inner[name]
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            samples[name].append((time.perf_counter() - t0) / n)
+    return {name: statistics.median(s) for name, s in samples.items()}
+
+
+def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
+    return "\n".join([line(header), line(tuple("-" * w for w in widths))] + [line(r) for r in rows])

@@ -1,0 +1,148 @@
+"""Eager dispatch cost per forward of a 24-layer MLP: NNX with hookax vs Linen's interceptors.
+
+Rows, measured side by side in one run (round-robin, medians):
+
+* NNX plain: hookax's wrappers taken off the two classes involved (the model as NNX runs it);
+* NNX idle: hookax installed, nothing active (the one-check fast path);
+* NNX one interceptor: ``hx.intercept`` with the same no-op function object every call;
+* NNX fresh interceptor: a new lambda for every forward (a new jit-cache key each time);
+* Linen plain / ``nn.intercept_methods`` with one no-op function / a fresh lambda every call.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ._timing import interleaved, table
+
+DEPTH, WIDTH, BATCH = 24, 64, 8
+
+
+def noop(next_fun, args, kwargs, context):
+    return next_fun(*args, **kwargs)
+
+
+def _nnx_configs() -> dict:
+    from flax import nnx
+
+    import hookax as hx
+    from hookax.frameworks import _nnx
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.layers = nnx.List([nnx.Linear(WIDTH, WIDTH, rngs=rngs) for _ in range(DEPTH)])
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = jax.nn.relu(layer(x))
+            return x
+
+    with hx.intercept(noop):
+        pass  # installs the NNX adapter
+    model, x = MLP(nnx.Rngs(0)), jnp.ones((BATCH, WIDTH))
+    classes = (MLP, nnx.Linear)
+    wrapped = {c: c.__call__ for c in classes}
+    originals = {c: getattr(c.__call__, _nnx._MARK) for c in classes}
+
+    def set_calls(table_: dict) -> None:
+        for c, f in table_.items():
+            type.__setattr__(c, "__call__", f)
+
+    def plain():
+        set_calls(originals)
+        try:
+            return model(x).block_until_ready()
+        finally:
+            set_calls(wrapped)
+
+    def idle():
+        return model(x).block_until_ready()
+
+    def one():
+        with hx.intercept(noop):
+            return model(x).block_until_ready()
+
+    def fresh():
+        with hx.intercept(lambda n, a, k, c: n(*a, **k)):
+            return model(x).block_until_ready()
+
+    return {
+        "NNX plain": plain,
+        "NNX hookax idle": idle,
+        "NNX hx.intercept, one no-op": one,
+        "NNX hx.intercept, fresh lambda": fresh,
+    }
+
+
+def _linen_configs() -> dict:
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(DEPTH):
+                x = jax.nn.relu(nn.Dense(WIDTH)(x))
+            return x
+
+    model, x = MLP(), jnp.ones((BATCH, WIDTH))
+    params = model.init(jax.random.key(0), x)
+
+    def plain():
+        return model.apply(params, x).block_until_ready()
+
+    def one():
+        with nn.intercept_methods(noop):
+            return model.apply(params, x).block_until_ready()
+
+    def fresh():
+        with nn.intercept_methods(lambda n, a, k, c: n(*a, **k)):
+            return model.apply(params, x).block_until_ready()
+
+    return {
+        "Linen plain": plain,
+        "Linen intercept_methods, one no-op": one,
+        "Linen intercept_methods, fresh lambda": fresh,
+    }
+
+
+def _per_call_overhead() -> tuple[float, float]:
+    """Seconds per call of a trivial method: hookax's idle wrapper vs the bare function."""
+    import timeit
+
+    from flax import nnx
+
+    from hookax.frameworks import _nnx
+
+    class Id(nnx.Module):
+        def __call__(self, x):
+            return x
+
+    m, bare = Id(), getattr(Id.__call__, _nnx._MARK)
+    n = 200_000
+    wrapped = min(timeit.repeat(lambda: m(1), number=n, repeat=5)) / n
+    direct = min(timeit.repeat(lambda: bare(m, 1), number=n, repeat=5)) / n
+    return wrapped, direct
+
+
+def main(rounds: int = 15) -> dict[str, float]:
+    configs = {**_nnx_configs(), **_linen_configs()}
+    slow = {"NNX hx.intercept, fresh lambda"}
+    inner = {name: (3 if name in slow else 20) for name in configs}
+    t = interleaved(configs, rounds=rounds, inner=inner)
+    base = {"NNX": t["NNX plain"], "Linen": t["Linen plain"]}
+    rows = [
+        (name, f"{t[name] * 1e3:.3f}", f"{t[name] / base[name.split()[0]]:.3f}") for name in configs
+    ]
+    print(f"Eager forward, {DEPTH}-layer MLP (width {WIDTH}, batch {BATCH}), median of {rounds}")
+    print(table(rows, ("configuration", "ms/forward", "ratio to own plain")))
+    wrapped, direct = _per_call_overhead()
+    print(
+        f"Idle check per module call: {(wrapped - direct) * 1e9:.0f} ns "
+        f"(trivial method: {wrapped * 1e9:.0f} ns wrapped vs {direct * 1e9:.0f} ns bare)"
+    )
+    return t
+
+
+if __name__ == "__main__":
+    main()
