@@ -170,9 +170,7 @@ def main() -> None:
     header = ["", "HLO identical", "HLO identical w/o debug info", "no hooks", "hooks", "ratio"]
     print(" | ".join(header))
     for name, same, same_ops, t0, t1 in jax_rows():
-        print(
-            f"jax.jit {name} | {same} | {same_ops} | {t0:.3f} ms | {t1:.3f} ms | {t1 / t0:.3f}"
-        )
+        print(f"jax.jit {name} | {same} | {same_ops} | {t0:.3f} ms | {t1:.3f} ms | {t1 / t0:.3f}")
     row = torch_row()
     if row is None:
         print("PyTorch: not installed, skipped")

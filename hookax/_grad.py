@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._errors import HookError
-from ._hookcheck import check_like, hook_name, noted_call
+from ._hookcheck import check_like, describe, hook_name, noted_call
 
 __all__ = ["hook_grad", "wrap_site"]
 
@@ -191,10 +191,10 @@ class _Site:
                 continue
             what = f"backward hook {hook_name(fn)}'s grad_input"
             if not isinstance(res, tuple) or len(res) != len(given):
-                got = f"a tuple of length {len(res)}" if isinstance(res, tuple) else repr(res)
+                got = f"a tuple of length {len(res)}" if isinstance(res, tuple) else describe(res)
                 raise HookError(
                     f"{what} at {self.where} must be a tuple with one entry per positional "
-                    f"argument ({len(given)}), got {got:.80}. Fix: {fix}"
+                    f"argument ({len(given)}), got {got}. Fix: {fix}"
                 )
             for i, (g, r) in enumerate(zip(given, res)):
                 if r is not None:

@@ -357,7 +357,7 @@ def hooks(
     >>> from flax import nnx
     >>> import hookax as hx
     >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-    >>> with hx.hooks(forward=lambda m, args, out: out * 0):
+    >>> with hx.hooks(forward=lambda m, args, out: jnp.zeros_like(out)):
     ...     print(model(jnp.ones((1, 2))))
     [[0. 0. 0.]]
     """
