@@ -22,7 +22,7 @@ from flax import nnx
 
 import hookax as hx
 
-LAYERS, WIDTH, BATCH, REPS, INNER = 12, 512, 256, 3, 3
+LAYERS, WIDTH, BATCH, REPS, INNER = 12, 512, 256, 11, 10
 
 
 class MLP(nnx.Module):
