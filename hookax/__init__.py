@@ -9,6 +9,14 @@ from ._context import Context as Context
 from ._errors import HookaxError as HookaxError
 from ._errors import HookError as HookError
 from ._errors import SelectorError as SelectorError
+from ._grad import hook_grad as hook_grad
+from ._hooks import HookHandle as HookHandle
+from ._hooks import hooks as hooks
+from ._hooks import register_forward_hook as register_forward_hook
+from ._hooks import register_forward_pre_hook as register_forward_pre_hook
+from ._hooks import register_full_backward_hook as register_full_backward_hook
+from ._hooks import register_full_backward_pre_hook as register_full_backward_pre_hook
+from ._hooks import remove_hooks as remove_hooks
 from ._intercept import Interceptor as Interceptor
 from ._intercept import intercept as intercept
 from ._select import Select as Select

@@ -103,3 +103,9 @@ def _link(
             raise
 
     return next_fun
+
+
+# The hooks layer: imported last, as it uses this module.
+from ._hookrun import run as _run_hooks  # noqa: E402
+
+run_method[0] = _run_hooks

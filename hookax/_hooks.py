@@ -1,0 +1,377 @@
+"""Per-module hooks (``register_*``), their handles, and the scoped form ``hx.hooks``.
+
+Where per-module hooks live: a :class:`HookSet` stored as a plain (static, non-Variable) attribute
+of the NNX module. NNX puts static attributes into the graphdef, so the hooks travel with the
+module through ``nnx.split``/``nnx.merge``, ``nnx.jit``, ``jax.jit`` over modules, ``nnx.vmap``,
+``nnx.scan`` and ``nnx.remat``; replacing the set (adding or removing a hook) changes the graphdef,
+so jitted functions retrace; and the hooks are not in ``nnx.state(module)``, so checkpoints do not
+change. Hook records compare by value (the hook function and its options), so registering the
+same hook again gives an equal graphdef and hits every cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from . import _context, _dispatch
+from . import frameworks as _frameworks
+from ._errors import HookaxError, SelectorError
+from ._intercept import Entry, scoped
+from ._select import CALL_ONLY, as_selector
+
+__all__ = [
+    "ATTR",
+    "HookHandle",
+    "HookRecord",
+    "HookSet",
+    "hooks",
+    "register_forward_hook",
+    "register_forward_pre_hook",
+    "register_full_backward_hook",
+    "register_full_backward_pre_hook",
+    "remove_hooks",
+]
+
+ATTR = "_hookax_hooks"
+KINDS = ("forward_pre", "forward", "backward_pre", "backward")
+_TOKENS = itertools.count(1)
+_MARK = "__hookax_wrapped__"  # set on the method wrappers by the framework adapters
+
+
+@dataclasses.dataclass(frozen=True)
+class HookRecord:
+    """One hook on one module: compared by value (the function, its kind and options)."""
+
+    kind: str
+    fn: Callable[..., Any]
+    methods: tuple[str, ...] = CALL_ONLY
+    with_kwargs: bool = False
+    always_call: bool = False
+    prepend: bool = False
+    token: int = dataclasses.field(default=0, compare=False, repr=False)
+
+
+class HookSet:
+    """The immutable, hashable hooks of one module, kept in run order.
+
+    While any hook set is alive (on a module, or in a graphdef a copy or a jit cache holds),
+    ``_dispatch`` counts it, so the idle fast path never skips a module that carries hooks.
+    """
+
+    __slots__ = ("__weakref__", "records")
+
+    records: tuple[HookRecord, ...]
+
+    def __init__(self, records: tuple[HookRecord, ...]) -> None:
+        self.records = records
+        _dispatch.hooks_registered(+1)
+
+    def __del__(self) -> None:
+        if _dispatch is not None:  # pragma: no branch - None only at interpreter exit
+            _dispatch.hooks_registered(-1)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (HookSet, (self.records,))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, HookSet) and self.records == other.records
+
+    def __hash__(self) -> int:
+        return hash(self.records)
+
+    def __repr__(self) -> str:
+        return f"HookSet({self.records!r})"
+
+    def add(self, record: HookRecord) -> HookSet:
+        if not record.prepend:
+            return HookSet((*self.records, record))
+        # Like PyTorch: a prepended hook goes before every hook of its kind, earlier prepends too.
+        return HookSet((record, *self.records))
+
+    def without(self, token: int) -> HookSet | None:
+        kept = tuple(r for r in self.records if r.token != token)
+        return HookSet(kept) if kept else None
+
+
+def hook_set(module: Any) -> HookSet | None:
+    """The hooks of ``module``, or None."""
+    return vars(module).get(ATTR)
+
+
+def _store(module: Any, hs: HookSet | None) -> None:
+    if hs is not None:
+        setattr(module, ATTR, hs)
+    elif ATTR in vars(module):
+        delattr(module, ATTR)
+
+
+class HookHandle:
+    """Removes the hooks one ``register_*`` call added. ``remove()`` is idempotent.
+
+    Also a context manager: ``with hx.register_forward_hook(m, f): ...`` removes on exit.
+    """
+
+    def __init__(self, token: int, modules: list[Any]) -> None:
+        self.id = token
+        self._modules = [weakref.ref(m) for m in modules]
+
+    def remove(self) -> None:
+        """Remove the hooks from every module they were registered on (again: no-op)."""
+        refs, self._modules = self._modules, []
+        for ref in refs:
+            module = ref()
+            hs = hook_set(module) if module is not None else None
+            if hs is not None:
+                _store(module, hs.without(self.id))
+
+    def __enter__(self) -> HookHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"HookHandle(id={self.id}, modules={len(self._modules)})"
+
+
+def _adapter(obj: Any, api: str) -> Any:
+    adapter = _frameworks.adapter_for(obj)
+    if adapter is None or adapter.name != "nnx":
+        raise HookaxError(
+            f"hx.{api} expects a Flax NNX module (an nnx.Module instance) to store the hook on, "
+            f"got {type(obj).__name__}: {obj!r:.80}. Modules of frameworks whose modules are "
+            "immutable (Equinox, Linen) and plain functions take hooks in the scoped form. Fix: "
+            "`with hx.hooks(where=..., forward=hook): y = model(x)`."
+        )
+    return adapter
+
+
+def _method_names(module: Any) -> list[str]:
+    """The call sites of ``module``: its wrapped methods (``__call__`` and public ones)."""
+    cls = type(module)
+    return [
+        n
+        for n in dir(cls)
+        if (n == "__call__" or not n.startswith("_")) and hasattr(getattr(cls, n, None), _MARK)
+    ]
+
+
+def _targets(module: Any, where: Any, api: str, adapter: Any) -> list[tuple[Any, tuple[str, ...]]]:
+    """The (submodule, methods) pairs a registration applies to."""
+    if where is None:
+        return [(module, CALL_ONLY)]
+    sel = as_selector(where, CALL_ONLY)
+    out = []
+    for path, m in adapter.iter_modules(module):
+        methods = []
+        for name in _method_names(m):
+            frame = _context.Frame(m, name, None, adapter)
+            frame._path = path
+            if sel.matches(_context.Context(frame, getattr(m, name))):
+                methods.append(name)
+        if methods:
+            out.append((m, tuple(methods)))
+    if not out:
+        found = ", ".join(
+            f"{_context.path_str(p)!r} ({type(m).__name__})"
+            for p, m in itertools.islice(adapter.iter_modules(module), 8)
+        )
+        raise SelectorError(
+            f"hx.{api}(where={where!r}) matched no submodule of {type(module).__name__}; "
+            f"its submodules (paths relative to it) include {found}. Fix: pass a where= that "
+            'matches one of them, e.g. where=nnx.Linear or where="layers/*".'
+        )
+    return out
+
+
+def _register(module: Any, record: HookRecord, where: Any, api: str) -> HookHandle:
+    adapter = _adapter(module, api)
+    if not callable(record.fn):
+        raise HookaxError(
+            f"hx.{api} expects a callable hook, got {record.fn!r}. Fix: pass a function, e.g. "
+            "`def hook(module, args, output): ...`."
+        )
+    try:
+        hash(record.fn)
+    except TypeError:
+        raise HookaxError(
+            f"hx.{api}: the hook {record.fn!r} is not hashable; hooks are part of the module's "
+            "graphdef (the jit cache key). Fix: pass a function, or a callable object that "
+            "defines __hash__ and __eq__."
+        ) from None
+    targets = _targets(module, where, api, adapter)
+    token = next(_TOKENS)
+    for m, methods in targets:
+        rec = dataclasses.replace(record, methods=methods, token=token)
+        _store(m, (hook_set(m) or HookSet(())).add(rec))
+    return HookHandle(token, [m for m, _ in targets])
+
+
+def register_forward_pre_hook(
+    module: Any,
+    hook: Callable[..., Any],
+    *,
+    where: Any = None,
+    with_kwargs: bool = False,
+    prepend: bool = False,
+) -> HookHandle:
+    """Run ``hook`` before each call of ``module`` (PyTorch's ``register_forward_pre_hook``).
+
+    ``hook(module, args) -> None | new_args``; a single value that is not a tuple means
+    ``(value,)``. With ``with_kwargs=True``: ``hook(module, args, kwargs) -> None |
+    (new_args, new_kwargs)``. Under jit, hooks run while tracing.
+
+    Args:
+      module: the NNX module to hook.
+      hook: the hook.
+      where: hook every submodule of ``module`` that matches instead (see ``hx.Select``).
+      with_kwargs: pass and return keyword arguments too.
+      prepend: run before the hooks already registered.
+
+    Returns:
+      A :class:`HookHandle`; ``remove()`` it, or use it as a context manager.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import hookax as hx
+    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> with hx.register_forward_pre_hook(model, lambda m, args: args[0] * 0):
+    ...     print(model(jnp.ones((1, 2))))
+    [[0. 0. 0.]]
+    """
+    rec = HookRecord("forward_pre", hook, with_kwargs=with_kwargs, prepend=prepend)
+    return _register(module, rec, where, "register_forward_pre_hook")
+
+
+def register_forward_hook(
+    module: Any,
+    hook: Callable[..., Any],
+    *,
+    where: Any = None,
+    with_kwargs: bool = False,
+    always_call: bool = False,
+    prepend: bool = False,
+) -> HookHandle:
+    """Run ``hook`` after each call of ``module`` (PyTorch's ``register_forward_hook``).
+
+    ``hook(module, args, output) -> None | new_output``; with ``with_kwargs=True``:
+    ``hook(module, args, kwargs, output)``. A new output must have the output's tree structure,
+    shapes and dtypes. With ``always_call=True`` the hook also runs, with ``output=None``, when the
+    method raised; the original exception then propagates.
+
+    Args:
+      module: the NNX module to hook.
+      hook: the hook.
+      where: hook every submodule of ``module`` that matches instead.
+      with_kwargs: pass the keyword arguments too.
+      always_call: also run when the method (or a hook after it) raised.
+      prepend: run before the hooks already registered.
+
+    Returns:
+      A :class:`HookHandle`.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import hookax as hx
+    >>> rngs = nnx.Rngs(0)
+    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=rngs), nnx.Linear(3, 1, rngs=rngs))
+    >>> h = hx.register_forward_hook(model, lambda m, a, out: print(out.shape), where=nnx.Linear)
+    >>> _ = model(jnp.ones((4, 2)))
+    (4, 3)
+    (4, 1)
+    >>> h.remove()
+    """
+    rec = HookRecord(
+        "forward", hook, with_kwargs=with_kwargs, always_call=always_call, prepend=prepend
+    )
+    return _register(module, rec, where, "register_forward_hook")
+
+
+def register_full_backward_pre_hook(
+    module: Any, hook: Callable[..., Any], *, where: Any = None, prepend: bool = False
+) -> HookHandle:
+    """Run ``hook`` when JAX computes the gradient of ``module``'s output.
+
+    ``hook(module, grad_output) -> None | new_grad_output``; ``grad_output`` has the output's
+    tree (None for a non-float leaf). A replacement is the gradient that flows on. The hook runs
+    while JAX differentiates (``jax.grad``, ``nnx.grad``, ``jax.vjp``), so it must be
+    JAX-traceable; print values with ``jax.debug.print``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import hookax as hx
+    >>> model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
+    >>> _ = hx.register_full_backward_pre_hook(model, lambda m, g: g * 3)
+    >>> nnx.grad(lambda m, x: m(x).sum(), argnums=1)(model, jnp.ones((1, 1))) / model.kernel[...]
+    Array([[3.]], dtype=float32)
+    >>> hx.remove_hooks(model)
+    """
+    rec = HookRecord("backward_pre", hook, prepend=prepend)
+    return _register(module, rec, where, "register_full_backward_pre_hook")
+
+
+def register_full_backward_hook(
+    module: Any, hook: Callable[..., Any], *, where: Any = None, prepend: bool = False
+) -> HookHandle:
+    """Run ``hook`` when JAX computes the gradients of ``module``'s positional inputs.
+
+    ``hook(module, grad_input, grad_output) -> None | new_grad_input``: ``grad_input`` is a tuple,
+    one entry per positional argument (None for an argument with no float arrays);
+    ``grad_output`` has the output's tree. A replacement is the gradient that flows on to the
+    inputs; a None entry in it means a zero gradient (as in PyTorch). JAX-traceable, like
+    :func:`register_full_backward_pre_hook`.
+    """
+    rec = HookRecord("backward", hook, prepend=prepend)
+    return _register(module, rec, where, "register_full_backward_hook")
+
+
+def remove_hooks(module: Any) -> None:
+    """Remove every per-module hook from ``module`` and all its submodules."""
+    adapter = _adapter(module, "remove_hooks")
+    for _, m in adapter.iter_modules(module):
+        _store(m, None)
+
+
+def hooks(
+    where: Any = None,
+    forward_pre: Callable[..., Any] | None = None,
+    forward: Callable[..., Any] | None = None,
+    backward_pre: Callable[..., Any] | None = None,
+    backward: Callable[..., Any] | None = None,
+    with_kwargs: bool = False,
+) -> contextlib.AbstractContextManager[None]:
+    """Hooks on every selected call site, for a ``with`` block on this thread.
+
+    Same signatures and semantics as the ``register_*`` functions (``forward_pre`` and
+    ``forward`` get keyword arguments when ``with_kwargs=True``). At each call site scoped hooks
+    run before the module's own hooks of the same kind, as PyTorch's global module hooks do;
+    nested blocks run outermost first. Cache-correct under jit like :func:`~hookax.intercept`:
+    pass the same hook objects to hit the caches.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import hookax as hx
+    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+    >>> with hx.hooks(forward=lambda m, args, out: jnp.zeros_like(out)):
+    ...     print(model(jnp.ones((1, 2))))
+    [[0. 0. 0.]]
+    """
+    given = {"forward_pre": forward_pre, "forward": forward, "backward_pre": backward_pre}
+    given["backward"] = backward
+    records = []
+    for kind, fn in given.items():
+        if fn is None:
+            continue
+        if not callable(fn):
+            raise HookaxError(
+                f"hx.hooks({kind}=...) expects a callable hook, got {fn!r}. Fix: pass a "
+                "function, e.g. `def hook(module, args, output): ...`."
+            )
+        kw = with_kwargs and kind in ("forward_pre", "forward")
+        records.append(HookRecord(kind, fn, with_kwargs=kw))
+    return scoped(Entry("hooks", tuple(records), as_selector(where, CALL_ONLY)))
