@@ -24,6 +24,23 @@ ACTIVE = jax.make_user_context(())
 _ACTIVE_VALUE = ACTIVE._obj  # the C++ config object: reading `.value` here is the fast path
 
 
+# Modules that hold per-module hooks, by id (dropped when hooks are removed or the module dies).
+# While any exist, every module call takes the slow path, so the call stack knows the root and
+# hooked call sites get their full path. (The wrappers also check each instance itself, so a
+# copy made by nnx.merge that carries hooks always runs them.)
+HOOKED: dict[int, Any] = {}
+
+
+def track_hooked(module: Any, hooked: bool) -> None:
+    import weakref
+
+    key = id(module)
+    if not hooked:
+        HOOKED.pop(key, None)
+    elif key not in HOOKED:
+        HOOKED[key] = weakref.ref(module, lambda _, key=key: HOOKED.pop(key, None))
+
+
 def active_entries() -> tuple[Any, ...]:
     """The scoped entries active on this thread, outermost first."""
     return _ACTIVE_VALUE.value

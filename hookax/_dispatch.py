@@ -1,7 +1,7 @@
 """The single function every intercepted module method call goes through.
 
-A framework adapter wraps module methods once; each wrapper checks ``is_idle()`` and, when
-something is active, calls :func:`call`. ``call`` builds the call site's frame and context, runs the
+A framework adapter wraps module methods once; each wrapper checks that nothing is active on
+this thread and that its module carries no hooks, and otherwise calls :func:`call`. ``call`` builds the call site's frame and context, runs the
 matching interceptors (outermost first), then the hooks and the method itself.
 """
 
@@ -12,20 +12,9 @@ from typing import Any
 
 from . import _context, _errors
 
-__all__ = ["call", "hooks_registered", "is_idle"]
+__all__ = ["call"]
 
-# Number of modules anywhere that carry per-module hooks; zero keeps the fast path to one check.
-_REGISTERED = [0]
 _active = _context._ACTIVE_VALUE
-
-
-def is_idle() -> bool:
-    """True when no scoped entry is active on this thread and no module has hooks."""
-    return not _active.value and not _REGISTERED[0]
-
-
-def hooks_registered(delta: int) -> None:
-    _REGISTERED[0] += delta
 
 
 def _describe(frame: _context.Frame) -> str:

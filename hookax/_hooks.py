@@ -18,9 +18,10 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from . import _context, _dispatch
+from . import _context
 from . import frameworks as _frameworks
 from ._errors import HookaxError, SelectorError
+from ._fnkey import FnKey
 from ._intercept import Entry, scoped
 from ._select import CALL_ONLY, as_selector
 
@@ -48,19 +49,25 @@ class HookRecord:
     """One hook on one module: compared by value (the function, its kind and options)."""
 
     kind: str
-    fn: Callable[..., Any]
+    fn: Callable[..., Any] = dataclasses.field(compare=False)
     methods: tuple[str, ...] = CALL_ONLY
     with_kwargs: bool = False
     always_call: bool = False
     prepend: bool = False
     token: int = dataclasses.field(default=0, compare=False, repr=False)
+    # The function's value-stable key (see _fnkey): a hook re-created with the same code over
+    # the same objects gives an equal record, so an equal graphdef and jit cache key.
+    key: FnKey = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "key", FnKey(self.fn))
 
 
 class HookSet:
     """The immutable, hashable hooks of one module, kept in run order.
 
-    While any hook set is alive (on a module, or in a graphdef a copy or a jit cache holds),
-    ``_dispatch`` counts it, so the idle fast path never skips a module that carries hooks.
+    Stored as the module attribute ``_hookax_hooks``: static graph data, so it travels in the
+    graphdef through every NNX transform, and the method wrappers' idle check looks for it.
     """
 
     __slots__ = ("__weakref__", "records")
@@ -69,11 +76,6 @@ class HookSet:
 
     def __init__(self, records: tuple[HookRecord, ...]) -> None:
         self.records = records
-        _dispatch.hooks_registered(+1)
-
-    def __del__(self) -> None:
-        if _dispatch is not None:  # pragma: no branch - None only at interpreter exit
-            _dispatch.hooks_registered(-1)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (HookSet, (self.records,))
@@ -108,6 +110,7 @@ def _store(module: Any, hs: HookSet | None) -> None:
         setattr(module, ATTR, hs)
     elif ATTR in vars(module):
         delattr(module, ATTR)
+    _context.track_hooked(module, hs is not None)
 
 
 class HookHandle:
@@ -196,14 +199,6 @@ def _register(module: Any, record: HookRecord, where: Any, api: str) -> HookHand
             f"hx.{api} expects a callable hook, got {record.fn!r}. Fix: pass a function, e.g. "
             "`def hook(module, args, output): ...`."
         )
-    try:
-        hash(record.fn)
-    except TypeError:
-        raise HookaxError(
-            f"hx.{api}: the hook {record.fn!r} is not hashable; hooks are part of the module's "
-            "graphdef (the jit cache key). Fix: pass a function, or a callable object that "
-            "defines __hash__ and __eq__."
-        ) from None
     targets = _targets(module, where, api, adapter)
     token = next(_TOKENS)
     for m, methods in targets:

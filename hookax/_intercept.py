@@ -32,12 +32,12 @@ class Entry:
     """One active scoped thing. Compared by value: it is part of the jit cache key."""
 
     kind: str
-    key: FnKey
+    key: Any  # a FnKey for a function; for hooks, the tuple of hook records
     selector: Selector
 
     @property
     def fn(self) -> Any:
-        return self.key.fn
+        return self.key.fn if isinstance(self.key, FnKey) else self.key
 
 
 @contextlib.contextmanager

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import hookax as hx
-from hookax import _context, _dispatch
+from hookax import _context
 
 MODES = ["eager", "jit"]
 
@@ -497,13 +497,14 @@ def test_forward_hooks_under_vmap(mode):
     np.testing.assert_array_equal(out, 3 * xs)
 
 
-def test_registered_count_follows_live_hook_sets():
-    base = _dispatch._REGISTERED[0]
+def test_hooks_live_on_the_instance_and_removal_restores_it():
     m = Scale(1.0)
+    before = nnx.graphdef(m)
     h = hx.register_forward_hook(m, lambda *a: None)
     hx.register_forward_pre_hook(m, lambda *a: None)
-    assert _dispatch._REGISTERED[0] == base + 1
+    assert "_hookax_hooks" in vars(m) and "_hookax_hooks" not in vars(Scale(1.0))
     h.remove()
-    assert _dispatch._REGISTERED[0] == base + 1
+    assert "_hookax_hooks" in vars(m) and id(m) in _context.HOOKED  # slow path: root tracked
     hx.remove_hooks(m)
-    assert _dispatch._REGISTERED[0] == base
+    assert "_hookax_hooks" not in vars(m) and nnx.graphdef(m) == before
+    assert id(m) not in _context.HOOKED  # the idle fast path is back

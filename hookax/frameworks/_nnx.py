@@ -17,7 +17,8 @@ __all__ = ["ADAPTER", "install", "wrap_class"]
 
 _MARK = "__hookax_wrapped__"
 _active = _context._ACTIVE_VALUE
-_registered = _dispatch._REGISTERED
+_hooked = _context.HOOKED
+_HOOKS = "_hookax_hooks"  # where per-module hooks live (see _hooks.HookSet)
 _call = _dispatch.call
 
 
@@ -73,7 +74,7 @@ def _wrap(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
 
     @functools.wraps(fn)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _active.value and not _registered[0]:
+        if not _active.value and not _hooked and _HOOKS not in self.__dict__:
             return fn(self, *args, **kwargs)
         return _call(fn, name, self, args, kwargs, adapter)
 
