@@ -18,3 +18,4 @@ try:
     __version__ = version("hookax")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
+from ._capture import capture as capture
