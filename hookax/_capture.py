@@ -189,7 +189,7 @@ def _roots(fn: Any) -> list[Any]:
 
 
 @contextlib.contextmanager
-def session(kind: str, fn: Any, args: tuple, kwargs: dict, selector: Any, make: Any) -> Iterator[Any]:
+def session(fn: Any, args: tuple, kwargs: dict, selector: Any, make: Any) -> Iterator[Any]:
     """Run a session of ``kind``: push it, make its interceptor active, clean up on exit."""
     live = _LOCAL.sessions
     depth = len(live)
@@ -241,11 +241,15 @@ def capture(fn: Callable[..., Any], *, where: Any = None) -> Callable[..., tuple
         raise HookaxError(
             f"hx.capture expects a module or a function that calls modules, got {fn!r}."
         )
-    selector = as_selector(where, CALL_ONLY)
+    return capture_with(fn, as_selector(where, CALL_ONLY))
+
+
+def capture_with(fn: Callable[..., Any], selector: Any) -> Callable[..., tuple[Any, dict]]:
+    """:func:`capture` with a ready :class:`Selector`."""
 
     @functools.wraps(fn)
     def forward(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, tuple[Any, ...]]]:
-        with session("capture", fn, args, kwargs, selector, _Session) as s:
+        with session(fn, args, kwargs, selector, _Session) as s:
             y = fn(*args, **kwargs)
             acts = s.finish()
         return y, acts
