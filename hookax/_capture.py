@@ -250,7 +250,18 @@ def capture_with(fn: Callable[..., Any], selector: Any) -> Callable[..., tuple[A
     @functools.wraps(fn)
     def forward(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, tuple[Any, ...]]]:
         with session(fn, args, kwargs, selector, _Session) as s:
-            y = fn(*args, **kwargs)
+            try:
+                y = fn(*args, **kwargs)
+            except ValueError as e:
+                if s.attr not in str(e):
+                    raise
+                raise HookaxError(
+                    f"hx.capture: a call site inside an nnx.vmap/nnx.scan broadcasts its module "
+                    f"(in_axes=None), so its captured outputs, which vary along the mapped axis, "
+                    f"cannot be stored with it. Route hookax's capture state (an "
+                    f"nnx.Intermediate) along the axis: in_axes=(nnx.StateAxes("
+                    f"{{nnx.Intermediate: 0, ...: None}}), ...). NNX said: {e}"
+                ) from e
             acts = s.finish()
         return y, acts
 
