@@ -206,7 +206,7 @@ def value_and_grad(
         def inner(*a: Any) -> Any:
             *fargs, p = a
             make = functools.partial(_Session, perturbs=p)
-            with _capture.session(fn, fargs, kwargs, selector, make) as s:
+            with _capture.session(fn, tuple(fargs), kwargs, selector, make) as s:
                 out = fn(*fargs, **kwargs)
                 s.check_complete()
             return out

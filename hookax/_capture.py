@@ -124,8 +124,8 @@ class _Session:
             from . import _capture_nnx
 
             for d in _capture_nnx.detach(self.attached, self.attr):
-                for key, values in d.items():
-                    stored.setdefault(key, []).extend(values)
+                for key, written in d.items():
+                    stored.setdefault(key, []).extend(written)
             self.attached = []
         acts: dict[str, tuple[Any, ...]] = {}
         for key, slots in self.slots.items():
@@ -141,9 +141,9 @@ class _Session:
             # Values a cached inner transform wrote without running its Python body again.
             out.extend(v for i, v in enumerate(values) if i not in taken)
             acts[key] = tuple(out)
-        for key, values in stored.items():
-            if values:
-                acts[key] = tuple(values)
+        for key, rest in stored.items():
+            if rest:
+                acts[key] = tuple(rest)
         _check_no_foreign_tracers(acts)
         return acts
 
@@ -181,10 +181,8 @@ def _roots(fn: Any) -> list[Any]:
             break
     cells = getattr(fn, "__closure__", None) or ()
     for cell in cells:
-        try:
+        with contextlib.suppress(ValueError):  # an empty cell has no contents
             out.append(cell.cell_contents)
-        except ValueError:  # an empty cell
-            pass
     return out
 
 
@@ -235,7 +233,7 @@ def capture(fn: Callable[..., Any], *, where: Any = None) -> Callable[..., tuple
     >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
     >>> y, acts = hx.capture(model)(jnp.ones((4, 2)))
     >>> {k: [v.shape for v in vs] for k, vs in acts.items()}
-    {'layers/0': [(4, 3)], '': [(4, 3)]}
+    {'': [(4, 3)], 'layers/0': [(4, 3)]}
     """
     if not callable(fn):
         raise HookaxError(

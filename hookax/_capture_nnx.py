@@ -40,10 +40,13 @@ def find_modules(objs: Any) -> Iterator[Any]:
         if not isinstance(leaf, nnx.Module):
             continue
         for _, node in graphlib.iter_graph(leaf):
-            if isinstance(node, nnx.Module) and not isinstance(node, internal):
-                if id(node) not in seen:
-                    seen.add(id(node))
-                    yield node
+            if (
+                isinstance(node, nnx.Module)
+                and not isinstance(node, internal)
+                and id(node) not in seen
+            ):
+                seen.add(id(node))
+                yield node
 
 
 def attach(modules: Iterator[Any], attr: str) -> list[tuple[Any, Any]]:

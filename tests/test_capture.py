@@ -301,9 +301,7 @@ def test_capture_inside_differentiated_function(mode: str, model: MLP, x: jax.Ar
     g = JIT[mode](jax.grad(loss))(x)
     np.testing.assert_allclose(g, jax.grad(reference)(x), rtol=1e-5, atol=1e-6)
     g = JIT[mode](nnx.grad(lambda m, x: jnp.sum(hx.capture(m)(x)[1]["head"][0])))(model, x)
-    np.testing.assert_allclose(
-        g["head"]["bias"][...], jnp.full((2,), float(x.shape[0])), rtol=1e-6
-    )
+    np.testing.assert_allclose(g["head"]["bias"][...], jnp.full((2,), float(x.shape[0])), rtol=1e-6)
 
 
 @pytest.mark.parametrize("mode", JIT)
@@ -321,7 +319,7 @@ def test_nested_captures(mode: str, model: MLP, x: jax.Array) -> None:
     def fn(m: MLP, x: jax.Array) -> Any:
         return hx.capture(m, where="head")(x)
 
-    (y, inner), outer = JIT[mode](hx.capture(fn, where=Block))(model, x)
+    (_, inner), outer = JIT[mode](hx.capture(fn, where=Block))(model, x)
     expected = unrolled(model, x)
     assert list(inner) == ["head"] and sorted(outer) == ["layers/0", "layers/1", "layers/2"]
     np.testing.assert_allclose(inner["head"][0], expected["head"][0], rtol=1e-5)
