@@ -26,3 +26,5 @@ try:
     __version__ = version("hookax")
 except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
+from ._actgrad import value_and_grad as value_and_grad
+from ._capture import capture as capture
