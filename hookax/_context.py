@@ -38,7 +38,11 @@ def track_hooked(module: Any, hooked: bool) -> None:
     if not hooked:
         HOOKED.pop(key, None)
     elif key not in HOOKED:
-        HOOKED[key] = weakref.ref(module, lambda _, key=key: HOOKED.pop(key, None))
+
+        def forget(_: Any) -> None:
+            HOOKED.pop(key, None)
+
+        HOOKED[key] = weakref.ref(module, forget)
 
 
 def active_entries() -> tuple[Any, ...]:

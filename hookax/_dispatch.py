@@ -1,8 +1,9 @@
 """The single function every intercepted module method call goes through.
 
-A framework adapter wraps module methods once; each wrapper checks that nothing is active on
-this thread and that its module carries no hooks, and otherwise calls :func:`call`. ``call`` builds the call site's frame and context, runs the
-matching interceptors (outermost first), then the hooks and the method itself.
+A framework adapter wraps module methods once; each wrapper checks that nothing is active on this
+thread and that no module carries hooks, and otherwise calls :func:`call`. ``call`` builds the
+call site's frame and context, runs the matching interceptors (outermost first), then the hooks
+and the method itself.
 """
 
 from __future__ import annotations
