@@ -29,6 +29,8 @@ class SummaryRow:
         could not be lowered alone.
       shared_with: keys of the other modules holding some of this module's own parameters
         (tied weights); empty when none.
+      depth: how many other rows' modules contain this one (the model is 0, its direct
+        submodules 1, the blocks of an ``nnx.List`` of blocks 1, their layers 2, ...).
       folded: how many deeper call sites ``depth=`` folded into this row.
     """
 
@@ -42,12 +44,8 @@ class SummaryRow:
     param_bytes: int
     flops: int | None
     shared_with: tuple[str, ...] = ()
+    depth: int = 0
     folded: int = 0
-
-    @property
-    def depth(self) -> int:
-        """How deep the module is below the model (the model itself is 0)."""
-        return len(self.path)
 
     @property
     def shared(self) -> bool:
@@ -132,8 +130,9 @@ def summary(model: Any, *example_args: Any, depth: int | None = None, **example_
     Args:
       model: a Flax NNX module.
       *example_args: its positional arguments: arrays or ``jax.ShapeDtypeStruct``\\ s.
-      depth: keep rows at most this deep (the model is depth 0, its attributes 1, ...); deeper
-        call sites fold into their ancestor row (its parameters and FLOPs already include them).
+      depth: keep rows at most this deep (see :attr:`SummaryRow.depth`: the model is 0, the
+        modules it calls 1, ...); deeper call sites fold into the row above them, whose
+        parameters and FLOPs already include theirs.
       **example_kwargs: its keyword arguments.
 
     Returns:
@@ -154,6 +153,7 @@ def summary(model: Any, *example_args: Any, depth: int | None = None, **example_
     cache: dict[Hashable, int | None] = {}
     total_flops = trace.flops_of(lowered)
     rows = []
+    seen = {rec.path for rec in records}
     for i, rec in enumerate(records):
         flops = total_flops if i == 0 else trace.lower_flops(rec.site, cache)
         rows.append(
@@ -168,6 +168,7 @@ def summary(model: Any, *example_args: Any, depth: int | None = None, **example_
                 param_bytes=params.nbytes.get(rec.path, 0),
                 flops=flops,
                 shared_with=params.shared_with.get(rec.path, ()),
+                depth=sum(1 for j in range(len(rec.path)) if rec.path[:j] in seen),
             )
         )
     totals = SummaryTotals(params.total, params.total_bytes, total_flops, params.shared_total)

@@ -1,0 +1,30 @@
+"""A small CNN for 32x32 RGB images: two conv + pool stages, then a linear classifier."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# Parameters: conv1 3*3*3*16 + 16, conv2 3*3*16*32 + 32, head 8*8*32*10 + 10.
+PARAMS = 448 + 4_640 + 20_490
+
+
+class CNN(nnx.Module):
+    def __init__(self, *, rngs: nnx.Rngs) -> None:
+        self.conv1 = nnx.Conv(3, 16, kernel_size=(3, 3), rngs=rngs)
+        self.conv2 = nnx.Conv(16, 32, kernel_size=(3, 3), rngs=rngs)
+        self.head = nnx.Linear(8 * 8 * 32, 10, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = nnx.avg_pool(jax.nn.relu(self.conv1(x)), (2, 2), strides=(2, 2))
+        x = nnx.avg_pool(jax.nn.relu(self.conv2(x)), (2, 2), strides=(2, 2))
+        return self.head(x.reshape(x.shape[0], -1))
+
+
+def make_model(rngs: nnx.Rngs) -> CNN:
+    return CNN(rngs=rngs)
+
+
+def example_inputs() -> tuple[jax.ShapeDtypeStruct, ...]:
+    return (jax.ShapeDtypeStruct((8, 32, 32, 3), jnp.float32),)
