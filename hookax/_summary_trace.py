@@ -158,10 +158,14 @@ def _note_rejection(e: Exception, rec: Record) -> None:
 
 
 def rejection(e: BaseException) -> str | None:
-    """The call site (and input) that rejected the input, from the note summary added."""
-    for note in getattr(e, "__notes__", ()):
+    """The call site that raised ``e`` (and its input, where summary saw it), from the notes."""
+    notes = getattr(e, "__notes__", ())
+    for note in notes:
         if note.startswith("hookax.summary: "):
             return note.removeprefix("hookax.summary: ")
+    for note in notes:
+        if note.startswith("hookax: raised in "):
+            return note.removeprefix("hookax: raised in ")
     return None
 
 
