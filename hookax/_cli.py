@@ -120,13 +120,17 @@ def _model(args: argparse.Namespace, *, abstract: bool) -> tuple[Any, tuple[Any,
 
 
 def _build(build: Any, name: str, abstract: bool) -> Any:
+    """Call the factory: under ``nnx.eval_shape`` when ``abstract`` (nothing allocated), else
+    inside one ``nnx.jit`` (one compile, not one per initializer); plainly where those fail."""
     from flax import nnx
 
-    if abstract:
+    for transform in (nnx.eval_shape,) if abstract else (nnx.jit,):
         try:
-            return nnx.eval_shape(build)
+            model = transform(build)() if transform is nnx.jit else transform(build)
         except Exception:
-            pass  # a factory that cannot be traced abstractly is built for real
+            continue
+        if isinstance(model, nnx.Module):
+            return model
     try:
         return build()
     except Exception as e:

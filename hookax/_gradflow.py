@@ -24,7 +24,7 @@ def mean_square_loss(model: Any, *inputs: Any) -> Any:
 
 
 def random_inputs(specs: tuple[Any, ...], seed: int = 0, int_high: int = 2) -> tuple[Any, ...]:
-    """Random arrays for ``ShapeDtypeStruct`` specs: normal floats, integers in ``[0, int_high)``."""
+    """Random arrays for ``ShapeDtypeStruct`` specs: normal floats, ints in ``[0, int_high)``."""
     import jax
     import jax.numpy as jnp
 
@@ -65,12 +65,13 @@ def layer_grad_norms(
 
     order: dict[tuple[Any, ...], int] = {}
 
-    def record(next_fun: Callable[..., Any], args: tuple, kwargs: dict, ctx: Any) -> Any:
-        order.setdefault(tuple(ctx.path), len(order))
+    def record(next_fun: Callable[..., Any], args: tuple, kwargs: dict, context: Any) -> Any:
+        order.setdefault(tuple(context.path), len(order))
         return next_fun(*args, **kwargs)
 
+    grad = nnx.jit(lambda m, *xs: nnx.grad(loss_fn)(m, *xs))
     with intercept(record):
-        grads = nnx.grad(loss_fn)(model, *inputs)
+        grads = grad(model, *inputs)
     modules = {tuple(p) for p, m in graphlib.iter_graph(model) if isinstance(m, nnx.Module)}
     squares: dict[tuple[Any, ...], float] = {}
     for path, leaf in nnx.to_flat_state(grads):

@@ -141,7 +141,8 @@ def summary(model: Any, *example_args: Any, depth: int | None = None, **example_
     >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
     >>> import hookax as hx
-    >>> s = hx.summary(nnx.Linear(64, 32, rngs=nnx.Rngs(0)), jax.ShapeDtypeStruct((8, 64), jnp.float32))
+    >>> layer = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+    >>> s = hx.summary(layer, jax.ShapeDtypeStruct((8, 64), jnp.float32))
     >>> s.rows[0].outputs, s.totals.params, s.totals.flops
     (('f32[8,32]',), 2080, 33024)
     """

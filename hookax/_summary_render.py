@@ -23,7 +23,11 @@ def compact(n: float | None, unit: str = "") -> str:
         return "?"
     for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(n) >= scale:
-            return f"{n / scale:.3g}{prefix}{unit}" if n / scale < 100 else f"{n / scale:.0f}{prefix}{unit}"
+            return (
+                f"{n / scale:.3g}{prefix}{unit}"
+                if n / scale < 100
+                else f"{n / scale:.0f}{prefix}{unit}"
+            )
     return f"{n:g}{unit}"
 
 
@@ -74,7 +78,9 @@ def table(s: Summary) -> Any:
     tot = s.totals
     t.add_section()
     t.add_row("Total", "", "", "", f"{tot.params:,}", compact(tot.flops))
-    shared = f" (of which tied/shared: {tot.shared_params:,}, counted once)" if tot.shared_params else ""
+    shared = (
+        f" (of which tied/shared: {tot.shared_params:,}, counted once)" if tot.shared_params else ""
+    )
     flops = "?" if tot.flops is None else f"{tot.flops:,}"
     t.caption = (
         f"Total parameters: {tot.params:,}{shared}\n"

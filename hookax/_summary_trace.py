@@ -27,7 +27,9 @@ _NOTE = "__hookax_summary_noted__"
 
 def abstract(tree: Any) -> Any:
     """Every array-like leaf of ``tree`` as a ``ShapeDtypeStruct``; other leaves unchanged."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if _is_array(x) else x, tree)
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if _is_array(x) else x, tree
+    )
 
 
 def _is_array(x: Any) -> bool:
@@ -121,17 +123,17 @@ class _Recorder:
         self.records: list[Record] = []
 
     def __call__(
-        self, next_fun: Callable[..., Any], args: tuple, kwargs: dict, ctx: _context.Context
+        self, next_fun: Callable[..., Any], args: tuple, kwargs: dict, context: _context.Context
     ) -> Any:
         rec = Record(
-            key=ctx.key,
-            path=tuple(ctx.path),
-            type=type(ctx.module).__name__,
-            method=ctx.method,
+            key=context.key,
+            path=tuple(context.path),
+            type=type(context.module).__name__,
+            method=context.method,
             inputs=_describe_tree((args, kwargs)),
         )
         if self.records:  # the root call's FLOPs come from lowering the whole call
-            rec.site = _site(ctx.module, ctx.method, args, kwargs)
+            rec.site = _site(context.module, context.method, args, kwargs)
         self.records.append(rec)
         try:
             out = next_fun(*args, **kwargs)

@@ -1,4 +1,4 @@
-"""hx.summary: rows in call order, exact parameter counts, XLA FLOPs, folding, JSON, abstractness."""
+"""hx.summary: call-order rows, exact parameter counts, XLA FLOPs, folding, JSON, abstractness."""
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +27,12 @@ def test_linear_flops_match_formula_and_xla_eager_and_abstract():
     assert row.flops == 2 * 64 * 32 * 8 + 32 * 8 == 33_024
     xla = jax.jit(lambda m, x: m(x)).lower(lin, x).compile().cost_analysis()
     assert row.flops == xla["flops"]
-    assert (row.key, row.type, row.inputs, row.outputs) == ("", "Linear", ("f32[8,64]",), ("f32[8,32]",))
+    assert (row.key, row.type, row.inputs, row.outputs) == (
+        "",
+        "Linear",
+        ("f32[8,64]",),
+        ("f32[8,32]",),
+    )
     assert (row.params, row.param_bytes) == (64 * 32 + 32, (64 * 32 + 32) * 4)
     assert on_array.totals == hx.SummaryTotals(2080, 8320, 33_024, 0)
 
@@ -112,7 +117,20 @@ def test_depth_folds_into_parent_rows():
     for r in one.rows:  # parameters and FLOPs already include the folded rows
         assert (r.params, r.flops) == (by_key[r.key].params, by_key[r.key].flops)
     assert [r.folded for r in one.rows] == [0, 0, 11, 11, 0, 0]
-    assert [r.depth for r in full.rows if r.key.startswith("layers/0")] == [1, 2, 2, 3, 3, 3, 3, 2, 2, 3, 3, 3]
+    assert [r.depth for r in full.rows if r.key.startswith("layers/0")] == [
+        1,
+        2,
+        2,
+        3,
+        3,
+        3,
+        3,
+        2,
+        2,
+        3,
+        3,
+        3,
+    ]
     (root,) = hx.summary(model, *inputs, depth=0).rows
     assert root.folded == len(full.rows) - 1
     assert one.totals == full.totals
@@ -176,7 +194,10 @@ def test_rejected_input_propagates_with_the_call_site_named():
     with pytest.raises(TypeError, match="dot_general") as info:
         hx.summary(model, jax.ShapeDtypeStruct((8, 10), F32))
     notes = info.value.__notes__
-    assert "hookax.summary: call site 'layers/0' (Linear.__call__) rejected its input f32[8,10]" in notes
+    assert (
+        "hookax.summary: call site 'layers/0' (Linear.__call__) rejected its input f32[8,10]"
+        in notes
+    )
     assert _context.active_entries() == ()
     assert _context.call_stack() == []
 

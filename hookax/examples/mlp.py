@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -12,9 +14,7 @@ PARAMS = 235_146
 
 class MLP(nnx.Module):
     def __init__(self, sizes: tuple[int, ...], *, rngs: nnx.Rngs) -> None:
-        self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs) for a, b in zip(sizes[:-1], sizes[1:])]
-        )
+        self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in itertools.pairwise(sizes)])
 
     def __call__(self, x: jax.Array) -> jax.Array:
         for layer in self.layers[:-1]:
