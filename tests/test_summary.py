@@ -211,3 +211,37 @@ def test_bad_arguments():
 
 def test_every_example_is_listed():
     assert NAMES == ("cnn", "mlp", "resnet", "transformer")
+
+
+def test_call_sites_inside_nnx_scan_keep_their_paths():
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+        def __call__(self, x):
+            return jax.nn.relu(self.lin(x))
+
+    class Scanned(nnx.Module):
+        def __init__(self, rngs):
+            @nnx.split_rngs(splits=3)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def make(rngs):
+                return Block(rngs)
+
+            self.blocks = make(rngs)
+
+        def __call__(self, x):
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def body(x, block):
+                return block(x)
+
+            return body(x, self.blocks)
+
+    s = hx.summary(Scanned(nnx.Rngs(0)), jax.ShapeDtypeStruct((2, 8), F32))
+    assert [r.key for r in s.rows] == ["", "blocks", "blocks/lin"]
+    assert [r.params for r in s.rows] == [3 * 72, 3 * 72, 3 * 72]  # stacked parameters
+    # Rows inside the scan are one iteration: shapes and FLOPs of one layer.
+    assert s.rows[2].inputs == s.rows[2].outputs == ("f32[2,8]",)
+    assert s.rows[2].flops == 2 * 2 * 8 * 8 + 2 * 8
+    # XLA's cost analysis counts a loop body once (a known limit of its count, kept as is).
+    assert s.totals.flops == s.rows[1].flops + 2
