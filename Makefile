@@ -23,7 +23,7 @@ install: $(VENV)/.installed-cli
 install-dev: $(VENV)/.installed-dev
 
 demo: $(VENV)/.installed-cli
-	$(BIN)/hookax demo
+	$(BIN)/hookax summary --example transformer
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check hookax tests benchmarks

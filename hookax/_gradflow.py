@@ -1,0 +1,103 @@
+"""Gradient flow: per-layer gradient norms from one backward pass, and their bar chart.
+
+:func:`layer_grad_norms` is the one place that decides what a layer's gradient norm is; today it
+is the norm of the gradient of the layer's own parameters (``nnx.grad``, grouped by the module
+that holds each parameter). Switching to activation gradients means changing that function only.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["layer_grad_norms", "mean_square_loss", "plot_grad_norms", "random_inputs"]
+
+
+def mean_square_loss(model: Any, *inputs: Any) -> Any:
+    """A loss for any model: the mean square of its floating-point outputs."""
+    import jax
+    import jax.numpy as jnp
+
+    outs = [y for y in jax.tree.leaves(model(*inputs)) if jnp.issubdtype(y.dtype, jnp.inexact)]
+    return sum(jnp.mean(jnp.square(y.astype(jnp.float32))) for y in outs)
+
+
+def random_inputs(specs: tuple[Any, ...], seed: int = 0, int_high: int = 2) -> tuple[Any, ...]:
+    """Random arrays for ``ShapeDtypeStruct`` specs: normal floats, ints in ``[0, int_high)``."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.key(seed), max(len(specs), 1))
+    out = []
+    for key, spec in zip(keys, specs):
+        if jnp.issubdtype(spec.dtype, jnp.inexact):
+            out.append(jax.random.normal(key, spec.shape, spec.dtype))
+        elif spec.dtype == jnp.bool_:
+            out.append(jax.random.bernoulli(key, 0.5, spec.shape))
+        else:
+            out.append(jax.random.randint(key, spec.shape, 0, int_high, spec.dtype))
+    return tuple(out)
+
+
+def _owner(path: tuple[Any, ...], modules: set[tuple[Any, ...]]) -> tuple[Any, ...]:
+    """The innermost module path that is a prefix of a parameter's path."""
+    for i in range(len(path) - 1, -1, -1):
+        if path[:i] in modules:
+            return path[:i]
+    return ()
+
+
+def layer_grad_norms(
+    model: Any, *inputs: Any, loss_fn: Callable[..., Any] = mean_square_loss
+) -> dict[str, float]:
+    """The gradient norm of each layer, from one backward pass, in call order.
+
+    A layer is a module holding parameters of its own; its norm is the L2 norm of the gradient
+    of ``loss_fn(model, *inputs)`` with respect to those parameters. Keys are module paths
+    (``"layers/0/attn/q"``). Layers never called come last.
+    """
+    from flax import nnx
+    from flax.nnx import graphlib
+
+    from ._context import path_str
+    from ._intercept import intercept
+
+    order: dict[tuple[Any, ...], int] = {}
+
+    def record(next_fun: Callable[..., Any], args: tuple, kwargs: dict, context: Any) -> Any:
+        order.setdefault(tuple(context.path), len(order))
+        return next_fun(*args, **kwargs)
+
+    grad = nnx.jit(lambda m, *xs: nnx.grad(loss_fn)(m, *xs))
+    with intercept(record):
+        grads = grad(model, *inputs)
+    modules = {tuple(p) for p, m in graphlib.iter_graph(model) if isinstance(m, nnx.Module)}
+    squares: dict[tuple[Any, ...], float] = {}
+    for path, leaf in nnx.to_flat_state(grads):
+        value = leaf.get_value() if hasattr(leaf, "get_value") else leaf
+        owner = _owner(tuple(path), modules)
+        squares[owner] = squares.get(owner, 0.0) + float((value.astype("float32") ** 2).sum())
+    ranked = sorted(squares, key=lambda p: (order.get(p, len(order)), path_str(p)))
+    return {path_str(p) or "(model)": math.sqrt(squares[p]) for p in ranked}
+
+
+def plot_grad_norms(norms: dict[str, float], out: str, title: str = "gradient flow") -> None:
+    """Write a bar chart of ``norms`` (log axis, layers in the given order) to ``out`` (PNG)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    names = list(norms)
+    values = [v if v > 0 else float("nan") for v in norms.values()]
+    fig = Figure(figsize=(max(6.0, 0.3 * len(names) + 2.0), 4.8), dpi=100)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.bar(range(len(names)), values, color="tab:blue", edgecolor="tab:gray")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(names)), names, rotation=90, fontsize=7)
+    ax.set_ylabel("‖∂loss/∂params‖₂ (log)")
+    ax.set_xlabel("layer (call order)")
+    ax.set_title(title)
+    ax.grid(axis="y", which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, format="png")

@@ -1,0 +1,22 @@
+"""Built-in example models for ``hookax summary --example NAME`` and ``hookax gradflow``.
+
+Each example module defines ``make_model(rngs)`` (a Flax NNX model) and ``example_inputs()``
+(a tuple of ``jax.ShapeDtypeStruct``, the default input). Importing this package imports no
+framework; :func:`load` imports one example.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+__all__ = ["NAMES", "load"]
+
+NAMES: tuple[str, ...] = ("cnn", "mlp", "resnet", "transformer")
+
+
+def load(name: str) -> ModuleType:
+    """The example module ``name`` (one of :data:`NAMES`); KeyError for any other name."""
+    if name not in NAMES:
+        raise KeyError(name)
+    return importlib.import_module(f"{__name__}.{name}")

@@ -1,0 +1,231 @@
+"""The hookax command line: summaries, gradflow PNGs, and one-line errors with exit code 2."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+import hookax as hx
+from hookax._cli import main
+
+
+@pytest.fixture
+def factories(tmp_path, monkeypatch):
+    """An importable module of model factories, as a user would have."""
+    (tmp_path / "user_models.py").write_text(
+        textwrap.dedent(
+            """
+            import jax.numpy as jnp
+            from flax import nnx
+
+            class Pair(nnx.Module):
+                def __init__(self, rngs):
+                    self.a = nnx.Linear(64, 32, rngs=rngs)
+                    self.b = nnx.Linear(16, 32, rngs=rngs)
+
+                def __call__(self, x, y):
+                    return self.a(x) + self.b(y.astype(jnp.float32))
+
+            def linear():
+                return nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+
+            def pair():
+                return Pair(nnx.Rngs(0))
+
+            def not_a_model():
+                return 3
+
+            def broken():
+                raise RuntimeError("no weights here")
+            """
+        )
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "user_models"
+    sys.modules.pop("user_models", None)
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize(
+    ("name", "total"),
+    [("mlp", "235,146"), ("cnn", "25,578"), ("resnet", "78,042"), ("transformer", "115,520")],
+)
+def test_summary_of_each_example(capsys, name, total):
+    code, out, err = _run(capsys, "summary", "--example", name)
+    assert (code, err) == (0, "")
+    assert f"Total parameters: {total}" in out.splitlines()[-3]
+
+
+def test_summary_json_and_depth(capsys):
+    code, out, _ = _run(capsys, "summary", "--example", "transformer", "--depth", "1", "--json")
+    assert code == 0
+    s = hx.Summary.from_json(out)
+    assert [r.key for r in s.rows] == ["", "embed", "layers/0", "layers/1", "norm", "lm_head"]
+    assert (s.totals.params, s.totals.shared_params) == (115_520, 16_384)
+    assert json.loads(out)["rows"][1]["shared_with"] == ["lm_head"]
+
+
+def test_summary_of_a_factory(capsys, factories):
+    code, out, err = _run(
+        capsys, "summary", f"{factories}:linear", "--input", "f32[8,64]", "--json"
+    )
+    assert (code, err) == (0, "")
+    (row,) = hx.Summary.from_json(out).rows
+    assert (row.inputs, row.outputs, row.params, row.flops) == (
+        ("f32[8,64]",),
+        ("f32[8,32]",),
+        2080,
+        33_024,
+    )
+
+
+def test_summary_of_a_factory_with_two_inputs(capsys, factories):
+    argv = ["summary", f"{factories}:pair", "--input", "f32[4,64]", "--input", "bf16[4,16]"]
+    code, out, _ = _run(capsys, *argv, "--json")
+    assert code == 0
+    s = hx.Summary.from_json(out)
+    assert [r.key for r in s.rows] == ["", "a", "b"]
+    assert s.rows[0].inputs == ("f32[4,64]", "bf16[4,16]")
+    assert s.totals.params == 64 * 32 + 32 + 16 * 32 + 32
+
+
+def _image(path):
+    import matplotlib.image
+
+    return matplotlib.image.imread(str(path))
+
+
+def test_gradflow_png(capsys, tmp_path):
+    out_png = tmp_path / "gradflow.png"
+    code, out, err = _run(capsys, "gradflow", "--example", "mlp", "--out", str(out_png))
+    assert (code, err) == (0, "")
+    assert [line.split()[0] for line in out.splitlines()[:3]] == [
+        "layers/0",
+        "layers/1",
+        "layers/2",
+    ]
+    assert out.splitlines()[-1] == f"wrote {out_png} (3 layers)"
+    img = _image(out_png)
+    assert img.shape == (480, 600, 4)  # 6 x 4.8 inches at 100 dpi, RGBA
+    rgb = img[..., :3].reshape(-1, 3)
+    assert rgb.std() > 0.05  # not blank
+    assert len(np.unique(np.round(rgb * 255).astype(np.int32), axis=0)) > 16
+
+
+def test_gradflow_of_a_factory(capsys, tmp_path, factories):
+    out_png = tmp_path / "g.png"
+    argv = ["gradflow", f"{factories}:pair", "--input", "f32[4,64]", "--input", "f32[4,16]"]
+    code, out, err = _run(capsys, *argv, "--out", str(out_png))
+    assert (code, err) == (0, "")
+    assert [line.split()[0] for line in out.splitlines()[:2]] == ["a", "b"]
+    assert _image(out_png).shape[2] == 4
+
+
+def _error(capsys, *argv):
+    code, out, err = _run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    assert err.endswith("\n") and err.count("\n") == 1, err  # one line
+    assert err.startswith("hookax: error: ")
+    return err.removeprefix("hookax: error: ").strip()
+
+
+@pytest.mark.parametrize("command", ["summary", "gradflow"])
+def test_unknown_example_lists_the_valid_ones(capsys, command):
+    msg = _error(capsys, command, "--example", "vgg")
+    assert msg == "unknown example 'vgg'; choose one of: cnn, mlp, resnet, transformer"
+
+
+def test_factory_that_does_not_import(capsys):
+    msg = _error(capsys, "summary", "no_such_pkg.models:make", "--input", "f32[2]")
+    assert (
+        msg == "cannot import factory 'no_such_pkg.models:make': "
+        "ModuleNotFoundError: No module named 'no_such_pkg'"
+    )
+
+
+def test_factory_errors(capsys, factories):
+    assert _error(capsys, "summary", "user_models", "--input", "f32[2]") == (
+        "a factory looks like 'package.module:function', got 'user_models'"
+    )
+    assert _error(capsys, "summary", f"{factories}:missing", "--input", "f32[2]") == (
+        "cannot import factory 'user_models:missing': user_models has no 'missing'"
+    )
+    assert _error(capsys, "summary", f"{factories}:not_a_model", "--input", "f32[2]") == (
+        "'user_models:not_a_model' returned int, not an nnx.Module"
+    )
+    assert _error(capsys, "summary", f"{factories}:broken", "--input", "f32[2]") == (
+        "factory 'user_models:broken' raised RuntimeError: no weights here"
+    )
+    assert _error(capsys, "summary", f"{factories}:linear") == (
+        'a factory needs its input: add --input "f32[8,224,224,3]"'
+    )
+
+
+@pytest.mark.parametrize("spec", ["f32[8,x]", "float[8]", "f32(8,2)", "q8[1]"])
+def test_input_spec_that_does_not_parse(capsys, spec):
+    msg = _error(capsys, "summary", "--example", "mlp", "--input", spec)
+    assert msg.startswith(
+        f"cannot parse input spec {spec!r}: expected DTYPE[DIM,...] like f32[8,224,224,3]"
+    )
+
+
+def test_input_that_does_not_fit_names_the_call_site(capsys):
+    msg = _error(capsys, "summary", "--example", "mlp", "--input", "f32[8,10]")
+    assert msg.startswith(
+        "input f32[8,10] does not fit the model: call site 'layers/0' (Linear.__call__) "
+        "rejected its input f32[8,10]: TypeError: dot_general requires contracting dimensions"
+    )
+
+
+def test_gradflow_input_that_does_not_fit(capsys, factories):
+    msg = _error(
+        capsys, "gradflow", f"{factories}:pair", "--input", "f32[4,64]", "--input", "f32[4,3]"
+    )
+    assert msg.startswith(
+        "input f32[4,64], f32[4,3] does not fit the model: "
+        "call site 'b' (Linear.__call__): TypeError"
+    )
+
+
+def test_command_line_mistakes(capsys):
+    assert _error(capsys, "summary").startswith("give either a factory")
+    assert _error(capsys, "summary", "a:b", "--example", "mlp").startswith("give either a factory")
+    assert _error(capsys, "summary", "--example", "mlp", "--depth", "-1") == (
+        "--depth takes an integer >= 0, got -1"
+    )
+    assert "invalid choice: 'frobnicate'" in _error(capsys, "frobnicate")
+    assert "--depth: invalid int value: 'two'" in _error(capsys, "summary", "--depth", "two")
+
+
+def test_python_dash_m_hookax_and_lazy_imports():
+    done = subprocess.run(
+        [sys.executable, "-m", "hookax", "summary", "--example", "mlp", "--depth", "0"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Total parameters: 235,146" in done.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "hookax", "summary", "--example", "vgg"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (bad.returncode, bad.stdout) == (2, "")
+    assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+    code = (
+        "import sys, hookax, hookax._cli, hookax.examples; "
+        "print(sorted(m for m in ('flax', 'rich', 'matplotlib', 'equinox') if m in sys.modules))"
+    )
+    lazy = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert lazy.stdout.strip() == "[]"
