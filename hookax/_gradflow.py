@@ -40,46 +40,44 @@ def random_inputs(specs: tuple[Any, ...], seed: int = 0, int_high: int = 2) -> t
     return tuple(out)
 
 
-def _owner(path: tuple[Any, ...], modules: set[tuple[Any, ...]]) -> tuple[Any, ...]:
-    """The innermost module path that is a prefix of a parameter's path."""
-    for i in range(len(path) - 1, -1, -1):
-        if path[:i] in modules:
-            return path[:i]
-    return ()
-
-
 def layer_grad_norms(
     model: Any, *inputs: Any, loss_fn: Callable[..., Any] = mean_square_loss
 ) -> dict[str, float]:
-    """The gradient norm of each layer, from one backward pass, in call order.
+    """The norm of the loss gradient at each layer's output, from one backward pass.
 
-    A layer is a module holding parameters of its own; its norm is the L2 norm of the gradient
-    of ``loss_fn(model, *inputs)`` with respect to those parameters. Keys are module paths
-    (``"layers/0/attn/q"``). Layers never called come last.
+    Keys are call-site keys in call order (``"layers/0"``; the model's own output is left out);
+    a call site called several times gets the norm over all its calls. Computed with
+    :func:`hookax.value_and_grad` under ``nnx.jit``: the model is not edited.
     """
     from flax import nnx
-    from flax.nnx import graphlib
 
-    from ._context import path_str
+    from ._actgrad import value_and_grad
     from ._intercept import intercept
+    from ._select import Select
 
-    order: dict[tuple[Any, ...], int] = {}
+    order: dict[str, int] = {}
 
     def record(next_fun: Callable[..., Any], args: tuple, kwargs: dict, context: Any) -> Any:
-        order.setdefault(tuple(context.path), len(order))
+        order.setdefault(context.key, len(order))
         return next_fun(*args, **kwargs)
 
-    grad = nnx.jit(lambda m, *xs: nnx.grad(loss_fn)(m, *xs))
-    with intercept(record):
-        grads = grad(model, *inputs)
-    modules = {tuple(p) for p, m in graphlib.iter_graph(model) if isinstance(m, nnx.Module)}
-    squares: dict[tuple[Any, ...], float] = {}
-    for path, leaf in nnx.to_flat_state(grads):
-        value = leaf.get_value() if hasattr(leaf, "get_value") else leaf
-        owner = _owner(tuple(path), modules)
-        squares[owner] = squares.get(owner, 0.0) + float((value.astype("float32") ** 2).sum())
-    ranked = sorted(squares, key=lambda p: (order.get(p, len(order)), path_str(p)))
-    return {path_str(p) or "(model)": math.sqrt(squares[p]) for p in ranked}
+    grads_of = nnx.jit(lambda m, *xs: value_and_grad(loss_fn)(m, *xs)[2])
+    with intercept(record, where=Select(methods="__call__")):
+        act_grads = grads_of(model, *inputs)
+    norms = {}
+    for key in sorted(act_grads, key=lambda k: order.get(k, len(order))):
+        if key == "":
+            continue
+        leaves = [g for g in jax_leaves(act_grads[key]) if g is not None]
+        total = sum(float((g.astype("float32") ** 2).sum()) for g in leaves)
+        norms[key] = math.sqrt(total)
+    return norms
+
+
+def jax_leaves(tree: Any) -> list[Any]:
+    import jax
+
+    return jax.tree.leaves(tree)
 
 
 def plot_grad_norms(norms: dict[str, float], out: str, title: str = "gradient flow") -> None:

@@ -229,3 +229,21 @@ def test_python_dash_m_hookax_and_lazy_imports():
     )
     lazy = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert lazy.stdout.strip() == "[]"
+
+
+def test_layer_grad_norms_are_activation_gradient_norms():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hookax._gradflow import layer_grad_norms, mean_square_loss
+
+    rngs = nnx.Rngs(0)
+    model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))
+    x = jnp.arange(6.0).reshape(2, 3)
+    norms = layer_grad_norms(model, x, loss_fn=mean_square_loss)
+    assert list(norms) == ["layers/0", "layers/1"]
+    y = model(x)
+    g_out = 2 * y / y.size  # d mean(y**2) / d y
+    g_hidden = g_out @ model.layers[1].kernel[...].T
+    np.testing.assert_allclose(norms["layers/1"], float(jnp.linalg.norm(g_out)), rtol=1e-5)
+    np.testing.assert_allclose(norms["layers/0"], float(jnp.linalg.norm(g_hidden)), rtol=1e-5)
