@@ -113,7 +113,38 @@ def _is_nnx(objs: Any) -> bool:
     return any(isinstance(leaf, nnx.Module) for leaf in leaves)
 
 
-def _discover(fn: Any, selector: Any, nnx_mode: bool, args: tuple, kwargs: dict) -> dict:
+def _is_equinox(objs: Any) -> bool:
+    if "equinox" not in sys.modules:
+        return False
+    import equinox as eqx
+
+    leaves = jax.tree.leaves(objs, is_leaf=lambda x: isinstance(x, eqx.Module))
+    return any(isinstance(leaf, eqx.Module) for leaf in leaves)
+
+
+def _eqx_value_and_grad(
+    inner: Callable[..., Any], nums: tuple[int, ...], has_aux: bool, args: tuple, perturbs: Any
+) -> tuple[Any, tuple[Any, ...]]:
+    """``eqx.filter_value_and_grad`` over the ``nums`` arguments and the perturbations.
+
+    Equinox differentiates its first argument only, so that is ``(selected args, perturbs)``;
+    the gradients are laid out like ``jax.value_and_grad``'s over ``(*nums, perturbs)``.
+    """
+    import equinox as eqx
+
+    def diff_fn(diff: Any, *rest: Any) -> Any:
+        chosen, p = diff
+        it = iter(rest)
+        full = [chosen[nums.index(i)] if i in nums else next(it) for i in range(len(args))]
+        return inner(*full, p)
+
+    rest = [a for i, a in enumerate(args) if i not in nums]
+    diff = (tuple(args[n] for n in nums), perturbs)
+    value, (gs, gp) = eqx.filter_value_and_grad(diff_fn, has_aux=has_aux)(diff, *rest)
+    return value, (*gs, gp)
+
+
+def _discover(fn: Any, selector: Any, nnx_mode: Any, args: tuple, kwargs: dict) -> dict:
     """``{key: (tree of ShapeDtypeStruct, ...)}`` of the selected outputs in call order."""
     order: list[str] = []
 
@@ -122,7 +153,11 @@ def _discover(fn: Any, selector: Any, nnx_mode: bool, args: tuple, kwargs: dict)
         order[:] = acts
         return acts
 
-    if nnx_mode:
+    if nnx_mode == "equinox":
+        import equinox as eqx
+
+        shapes = eqx.filter_eval_shape(probe, *args, **kwargs)
+    elif nnx_mode:
         from flax import nnx
 
         shapes = nnx.eval_shape(probe, *args, **kwargs)
@@ -155,7 +190,8 @@ def value_and_grad(
 
     ``loss, grads, act_grads = hx.value_and_grad(loss_fn)(model, x, y)``. ``grads`` is what the
     framework's own ``value_and_grad`` returns for ``argnums`` (``nnx.value_and_grad`` when an
-    argument holds an NNX module, ``jax.value_and_grad`` otherwise). ``act_grads`` maps each
+    argument holds an NNX module, ``eqx.filter_value_and_grad`` when a differentiated argument
+    holds an Equinox module, ``jax.value_and_grad`` otherwise, e.g. for Linen parameter dicts). ``act_grads`` maps each
     selected call site's key to a tuple, one entry per call: d loss / d (that call's output), with
     the output's structure (``None`` for integer outputs). No model edits: costs at most what
     NNX's ``perturb`` costs, in time and memory (``benchmarks/bench_capture.py``).
@@ -199,7 +235,9 @@ def value_and_grad(
                     f"hx.value_and_grad(loss_fn)(model, x, y)."
                 )
         nnx_mode = _is_nnx((args, kwargs, _capture._roots(fn)))
-        shapes = _discover(fn, selector, nnx_mode, args, kwargs)
+        nums_pos = tuple(n % len(args) for n in nums)
+        eqx_mode = not nnx_mode and _is_equinox([args[n] for n in nums_pos])
+        shapes = _discover(fn, selector, "equinox" if eqx_mode else nnx_mode, args, kwargs)
         perturbs = _zeros(shapes)
         extra = len(args)
 
@@ -211,14 +249,16 @@ def value_and_grad(
                 s.check_complete()
             return out
 
-        nums_pos = tuple(n % len(args) for n in nums)
-        if nnx_mode:
-            from flax import nnx
-
-            vg = nnx.value_and_grad(inner, argnums=(*nums_pos, extra), has_aux=has_aux)
+        if eqx_mode:
+            value, g = _eqx_value_and_grad(inner, nums_pos, has_aux, args, perturbs)
         else:
-            vg = jax.value_and_grad(inner, argnums=(*nums_pos, extra), has_aux=has_aux)
-        value, g = vg(*args, perturbs)
+            if nnx_mode:
+                from flax import nnx
+
+                vg = nnx.value_and_grad(inner, argnums=(*nums_pos, extra), has_aux=has_aux)
+            else:
+                vg = jax.value_and_grad(inner, argnums=(*nums_pos, extra), has_aux=has_aux)
+            value, g = vg(*args, perturbs)
         grads = g[0] if not isinstance(argnums, tuple) else tuple(g[:-1])
         act_grads = {
             key: tuple(

@@ -102,9 +102,10 @@ class _Session:
 
             index = _capture_nnx.write(ctx.module, self.attr, ctx.key, out)
         if index is None:
+            why = getattr(ctx._frame.adapter, "capture_help", None) or _INNER_HELP
             raise HookaxError(
                 f"hx.capture cannot capture call site {ctx.key!r} "
-                f"({type(ctx.module).__name__}.{ctx.method}). {_INNER_HELP}"
+                f"({type(ctx.module).__name__}.{ctx.method}). {why}"
             )
         if ("m", index) not in slots:  # a transform may trace its body more than once
             slots.append(("m", index))

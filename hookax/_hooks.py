@@ -144,6 +144,15 @@ class HookHandle:
 
 def _adapter(obj: Any, api: str) -> Any:
     adapter = _frameworks.adapter_for(obj)
+    if adapter is not None and getattr(adapter, "immutable", False):
+        kind = {"linen": "Flax Linen", "equinox": "Equinox"}.get(adapter.name, adapter.name)
+        raise HookaxError(
+            f"hx.{api} cannot store a hook on {type(obj).__name__}: {kind} modules are "
+            "immutable, so hooks cannot live on them. Use the scoped form, which works on every "
+            "framework and is cache-correct under jit: `with hx.hooks(where=..., "
+            "forward=hook): y = model(x)` (where= selects the modules: a class, a path glob, "
+            "...)."
+        )
     if adapter is None or adapter.name != "nnx":
         raise HookaxError(
             f"hx.{api} expects a Flax NNX module (an nnx.Module instance) to store the hook on, "

@@ -7,6 +7,10 @@ An adapter is loaded the first time hookax is used while its framework is import
 * ``iter_modules(root)``: ``(path, module)`` pairs below ``root``;
 * ``aliases(module)``: ``module`` and the outer modules it stands for inside transforms;
 * ``root_done()``: called when the outermost call site on this thread returns.
+
+Optional: ``relative_path(root, module)`` (a path without walking the model, where modules know
+their own: Linen), ``immutable`` (modules take only scoped hooks: Linen, Equinox) and
+``capture_help`` (why a value recorded inside an inner transform cannot be captured, and the fix).
 """
 
 from __future__ import annotations
@@ -21,15 +25,24 @@ _LOCK = threading.Lock()
 _INSTALLED: dict[str, Any] = {}
 
 
+# adapter name -> (the framework's module that must be imported, the adapter's module)
+_FRAMEWORKS = (("nnx", "flax.nnx", "_nnx"), ("linen", "flax.linen", "_linen"))
+_FRAMEWORKS += (("equinox", "equinox", "_equinox"),)
+
+
 def ensure_installed() -> None:
     """Install the adapter of every supported framework that is imported (cheap when done)."""
-    if "nnx" not in _INSTALLED and "flax.nnx" in sys.modules:
-        with _LOCK:
-            if "nnx" not in _INSTALLED:
-                from . import _nnx
+    if len(_INSTALLED) == len(_FRAMEWORKS):
+        return
+    for name, framework, module in _FRAMEWORKS:
+        if name not in _INSTALLED and framework in sys.modules:
+            with _LOCK:
+                if name not in _INSTALLED:
+                    import importlib
 
-                _nnx.install()
-                _INSTALLED["nnx"] = _nnx.ADAPTER
+                    adapter = importlib.import_module(f"{__name__}.{module}")
+                    adapter.install()
+                    _INSTALLED[name] = adapter.ADAPTER
 
 
 def installed() -> dict[str, Any]:
