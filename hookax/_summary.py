@@ -128,7 +128,8 @@ def summary(model: Any, *example_args: Any, depth: int | None = None, **example_
     counted once in the totals and the rows holding them say with whom they share.
 
     Args:
-      model: a Flax NNX module.
+      model: a Flax NNX module; a Flax Linen module (unbound: its parameters are initialised
+        abstractly, or bound: its variables are used); or an Equinox module.
       *example_args: its positional arguments: arrays or ``jax.ShapeDtypeStruct``\\ s.
       depth: keep rows at most this deep (see :attr:`SummaryRow.depth`: the model is 0, the
         modules it calls 1, ...); deeper call sites fold into the row above them, whose
@@ -146,9 +147,7 @@ def summary(model: Any, *example_args: Any, depth: int | None = None, **example_
     >>> s.rows[0].outputs, s.totals.params, s.totals.flops
     (('f32[8,32]',), 2080, 33024)
     """
-    from . import _summary_trace as trace
-
-    _check(model, depth)
+    trace = _check(model, depth)
     records, lowered = trace.trace_calls(model, example_args, example_kwargs)
     params = trace.param_table(model)
     cache: dict[Hashable, int | None] = {}
@@ -176,18 +175,27 @@ def summary(model: Any, *example_args: Any, depth: int | None = None, **example_
     return Summary(fold(rows, depth), totals)
 
 
-def _check(model: Any, depth: Any) -> None:
-    from .frameworks import ensure_installed
+def _check(model: Any, depth: Any) -> Any:
+    """The module that traces ``model``'s framework (``trace_calls``, ``param_table``, ...)."""
+    from .frameworks import adapter_for
 
-    ensure_installed()
+    adapter = adapter_for(model)
+    if depth is not None and (not isinstance(depth, int) or depth < 0):
+        raise HookaxError(f"hx.summary(depth=...) takes an int >= 0 or None, got {depth!r}.")
+    if adapter is not None and adapter.name in ("linen", "equinox"):
+        from . import _summary_frameworks
+
+        return _summary_frameworks.backend(adapter.name)
     nnx_module = _nnx_module_type()
     if nnx_module is None or not isinstance(model, nnx_module):
         raise HookaxError(
-            f"hx.summary supports Flax NNX modules; got {type(model).__name__}. "
-            "Fix: pass an nnx.Module (build it with nnx.eval_shape to keep it abstract)."
+            f"hx.summary supports Flax NNX, Flax Linen and Equinox modules; got "
+            f"{type(model).__name__}. Fix: pass the model (an nnx.Module, an unbound or bound "
+            "nn.Module, or an eqx.Module; build it abstractly to keep it small)."
         )
-    if depth is not None and (not isinstance(depth, int) or depth < 0):
-        raise HookaxError(f"hx.summary(depth=...) takes an int >= 0 or None, got {depth!r}.")
+    from . import _summary_trace
+
+    return _summary_trace
 
 
 def _nnx_module_type() -> type | None:

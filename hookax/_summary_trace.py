@@ -119,8 +119,9 @@ def _site(module: Any, method: str, args: tuple, kwargs: dict) -> Site | None:
 class _Recorder:
     """The interceptor that records each call site (entry order is call order)."""
 
-    def __init__(self) -> None:
+    def __init__(self, site: Callable[..., Site | None] | None = None) -> None:
         self.records: list[Record] = []
+        self.site = site or _site  # how to cut one call site out (per framework)
 
     def __call__(
         self, next_fun: Callable[..., Any], args: tuple, kwargs: dict, context: _context.Context
@@ -133,7 +134,7 @@ class _Recorder:
             inputs=_describe_tree((args, kwargs)),
         )
         if self.records:  # the root call's FLOPs come from lowering the whole call
-            rec.site = _site(context.module, context.method, args, kwargs)
+            rec.site = self.site(context.module, context.method, args, kwargs)
         self.records.append(rec)
         try:
             out = next_fun(*args, **kwargs)
