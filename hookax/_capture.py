@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import sys
 import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -246,7 +247,6 @@ def capture(fn: Callable[..., Any], *, where: Any = None) -> Callable[..., tuple
 def capture_with(fn: Callable[..., Any], selector: Any) -> Callable[..., tuple[Any, dict]]:
     """:func:`capture` with a ready :class:`Selector`."""
 
-    @functools.wraps(fn)
     def forward(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, tuple[Any, ...]]]:
         with session(fn, args, kwargs, selector, _Session) as s:
             try:
@@ -264,4 +264,8 @@ def capture_with(fn: Callable[..., Any], selector: Any) -> Callable[..., tuple[A
             acts = s.finish()
         return y, acts
 
+    # Only a function lends its name: a module's attributes (or a __wrapped__ pointing at it)
+    # on the returned function would make Equinox's filtered transforms treat it as a pytree.
+    if isinstance(fn, types.FunctionType | types.MethodType):
+        functools.update_wrapper(forward, fn)
     return forward

@@ -160,8 +160,35 @@ class Keys:
         return next_fun(*args, **kwargs)
 
 
+_KEYS = Keys()
+
+
+def keys() -> Keys:
+    """The one recorder, emptied: one object, so one jit-cache key for every test."""
+    _KEYS.seen.clear()
+    return _KEYS
+
+
+# Hooks and interceptors are module-level: equal jit-cache keys across tests, so the eager
+# operations compiled for one test are reused by the next (a fresh function is a fresh key).
 def double(next_fun: Any, args: tuple, kwargs: dict, ctx: hx.Context) -> Any:
     return next_fun(*args, **kwargs) * 2
+
+
+def plus_one(m: Any, args: tuple, output: Any) -> Any:
+    return output + 1
+
+
+def ones_in(m: Any, args: tuple) -> Any:
+    return jnp.ones_like(args[0])
+
+
+def triple(m: Any, grad_output: Any) -> Any:
+    return grad_output * 3
+
+
+def twice_grad(m: Any, args: tuple, output: Any) -> Any:
+    return hx.hook_grad(output, lambda g: g * 2)
 
 
 @pytest.fixture(autouse=True)
@@ -177,7 +204,7 @@ def nothing_left_active() -> Any:
 
 @modes
 def test_intercept_sees_every_call_site_with_paths(framework: Framework, mode: str) -> None:
-    rec = Keys()
+    rec = keys()
     with hx.intercept(rec):
         close(framework.forward(mode)(X), out(h1(X)))
     lin = framework.linear.__name__
@@ -235,14 +262,6 @@ def test_path_glob_and_callable_selectors(framework: Framework, mode: str) -> No
 @modes
 def test_forward_and_pre_hooks(framework: Framework, mode: str, traces: Any) -> None:
     f = framework.forward(mode, traces)
-
-    def plus_one(m: Any, args: tuple, output: Any) -> Any:
-        assert isinstance(m, framework.linear)
-        return output + 1
-
-    def ones_in(m: Any, args: tuple) -> Any:
-        return jnp.ones_like(args[0])
-
     with hx.hooks(where=framework.keys[0], forward=plus_one):
         close(f(X), out(h1(X) + 1))
     with hx.hooks(where=framework.keys[1], forward_pre=ones_in):
@@ -266,25 +285,18 @@ def test_backward_hooks_and_hook_grad(framework: Framework, mode: str) -> None:
     plain = framework.grad_x(mode)
     seen: list[Any] = []
 
-    def triple(m: Any, grad_output: Any) -> Any:
-        return grad_output * 3
-
     def record(m: Any, grad_input: tuple, grad_output: Any) -> None:
-        seen.append((grad_input[0].shape, grad_output.shape))
+        seen.append((type(m), grad_input[0].shape, grad_output.shape))
 
     with hx.hooks(where=framework.keys[1], backward_pre=triple, backward=record):
         close(framework.grad_x(mode), 3 * plain)
-    assert seen == [((4,), (2,))]
-
-    def twice(m: Any, args: tuple, output: Any) -> Any:
-        return hx.hook_grad(output, lambda g: g * 2)
-
-    with hx.hooks(where=framework.keys[0], forward=twice):
+    assert seen == [(framework.linear, (4,), (2,))]
+    with hx.hooks(where=framework.keys[0], forward=twice_grad):
         close(framework.grad_x(mode), 2 * plain)
 
 
 def test_register_hooks(framework: Framework) -> None:
-    hook = lambda m, args, output: output + 1  # noqa: E731
+    hook = plus_one
     if framework.name == "nnx":
         with hx.register_forward_hook(framework.state, hook, where=framework.keys[0]):
             close(framework.forward("eager")(X), out(h1(X) + 1))
@@ -336,7 +348,7 @@ def test_capture_under_vmap_and_after_hooks(framework: Framework) -> None:
     assert list(acts) == ["", *framework.keys]
     close(acts[framework.keys[0]][0], jax.vmap(h1)(xs))
     # outputs are captured after forward hooks ran
-    with hx.hooks(where=framework.keys[0], forward=lambda m, a, o: o + 1):
+    with hx.hooks(where=framework.keys[0], forward=plus_one):
         _, acts = hx.capture(framework.apply)(framework.state, X)
     close(acts[framework.keys[0]][0], h1(X) + 1)
 
