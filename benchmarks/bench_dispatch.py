@@ -6,7 +6,9 @@ Rows, measured side by side in one run (round-robin, medians):
 * NNX idle: hookax installed, nothing active (the one-check fast path);
 * NNX one interceptor: ``hx.intercept`` with the same no-op function object every call;
 * NNX fresh interceptor: a new lambda for every forward (a new jit-cache key each time);
-* Linen plain / ``nn.intercept_methods`` with one no-op function / a fresh lambda every call.
+* Linen plain / ``nn.intercept_methods`` with one no-op function / a fresh lambda every call;
+  Linen through hookax: ``hx.intercept`` with one no-op function;
+* Equinox plain (hookax's wrappers taken off) / hookax idle / ``hx.intercept`` with one no-op.
 """
 
 from __future__ import annotations
@@ -99,10 +101,69 @@ def _linen_configs() -> dict:
         with nn.intercept_methods(lambda n, a, k, c: n(*a, **k)):
             return model.apply(params, x).block_until_ready()
 
+    import hookax as hx
+
+    def hookax_one():
+        with hx.intercept(noop):
+            return model.apply(params, x).block_until_ready()
+
     return {
         "Linen plain": plain,
         "Linen intercept_methods, one no-op": one,
         "Linen intercept_methods, fresh lambda": fresh,
+        "Linen hx.intercept, one no-op": hookax_one,
+    }
+
+
+def _equinox_configs() -> dict:
+    import equinox as eqx
+
+    import hookax as hx
+    from hookax.frameworks import _equinox
+
+    class MLP(eqx.Module):
+        layers: list
+
+        def __init__(self, key):
+            keys = jax.random.split(key, DEPTH)
+            self.layers = [eqx.nn.Linear(WIDTH, WIDTH, key=k) for k in keys]
+
+        def __call__(self, x):
+            for layer in self.layers:
+                x = jax.nn.relu(layer(x))
+            return x
+
+    with hx.intercept(noop):
+        pass  # installs the Equinox adapter
+    model, x = MLP(jax.random.key(0)), jnp.ones((BATCH, WIDTH))
+    classes = (MLP, eqx.nn.Linear)
+    wrapped = {c: c.__call__ for c in classes}
+    originals = {c: getattr(c.__call__, _equinox._MARK) for c in classes}
+
+    def set_calls(table_: dict) -> None:
+        for c, f in table_.items():
+            type.__setattr__(c, "__call__", f)
+
+    # eqx.nn.Linear takes one example; it is called on one (a jax.vmap around it would add the
+    # same batching cost to every row and hide the dispatch cost being measured).
+    def forward():
+        return model(x[0]).block_until_ready()
+
+    def plain():
+        set_calls(originals)
+        try:
+            return forward()
+        finally:
+            set_calls(wrapped)
+
+    def one():
+        with hx.intercept(noop):
+            return forward()
+
+    return {
+        "Equinox plain": plain,
+        "Equinox hookax idle": forward,
+        "Equinox hx.intercept, one no-op": one,
     }
 
 
@@ -126,11 +187,11 @@ def _per_call_overhead() -> tuple[float, float]:
 
 
 def main(rounds: int = 15) -> dict[str, float]:
-    configs = {**_nnx_configs(), **_linen_configs()}
+    configs = {**_nnx_configs(), **_linen_configs(), **_equinox_configs()}
     slow = {"NNX hx.intercept, fresh lambda"}
     inner = {name: (3 if name in slow else 20) for name in configs}
     t = interleaved(configs, rounds=rounds, inner=inner)
-    base = {"NNX": t["NNX plain"], "Linen": t["Linen plain"]}
+    base = {"NNX": t["NNX plain"], "Linen": t["Linen plain"], "Equinox": t["Equinox plain"]}
     rows = [
         (name, f"{t[name] * 1e3:.3f}", f"{t[name] / base[name.split()[0]]:.3f}") for name in configs
     ]

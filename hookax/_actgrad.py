@@ -191,10 +191,11 @@ def value_and_grad(
     ``loss, grads, act_grads = hx.value_and_grad(loss_fn)(model, x, y)``. ``grads`` is what the
     framework's own ``value_and_grad`` returns for ``argnums`` (``nnx.value_and_grad`` when an
     argument holds an NNX module, ``eqx.filter_value_and_grad`` when a differentiated argument
-    holds an Equinox module, ``jax.value_and_grad`` otherwise, e.g. for Linen parameter dicts). ``act_grads`` maps each
-    selected call site's key to a tuple, one entry per call: d loss / d (that call's output), with
-    the output's structure (``None`` for integer outputs). No model edits: costs at most what
-    NNX's ``perturb`` costs, in time and memory (``benchmarks/bench_capture.py``).
+    holds an Equinox module, ``jax.value_and_grad`` otherwise, e.g. for Linen parameter dicts).
+    ``act_grads`` maps each selected call site's key to a tuple, one entry per call: d loss /
+    d (that call's output), with the output's structure (``None`` for integer outputs). No model
+    edits: costs at most what NNX's ``perturb`` costs, in time and memory
+    (``benchmarks/bench_capture.py``).
 
     Works eagerly and under ``jax.jit``/``nnx.jit``; the active selection is part of the jit cache
     key. Call sites inside a transform that maps or scans them (``nnx.vmap``, ``nnx.scan``) within

@@ -96,7 +96,7 @@ class Frame:
     def _lookup(self, module: Any) -> tuple[Any, ...] | None:
         relative = getattr(self.adapter, "relative_path", None)
         if relative is not None:  # frameworks whose modules know their own path (Linen)
-            return relative(self.module, module)  # type: ignore[no-any-return]
+            return relative(self.module, module)
         if self._paths is None:
             self._paths = {id(m): (p, m) for p, m in self.adapter.iter_modules(self.module)}
         for m in self.adapter.aliases(module):

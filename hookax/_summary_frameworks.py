@@ -135,7 +135,9 @@ class _Linen:
 def _linen_site(module: Any, method: str, args: tuple, kwargs: dict) -> trace.Site | None:
     try:
         unbound, variables = module.unbind()
-        return trace.Site(unbound, trace.abstract(dict(variables)), method, trace.Flat.of((args, kwargs)))
+        return trace.Site(
+            unbound, trace.abstract(dict(variables)), method, trace.Flat.of((args, kwargs))
+        )
     except Exception:  # a call site Linen cannot cut out here: no FLOPs for it
         return None
 

@@ -249,9 +249,9 @@ def test_path_glob_and_callable_selectors(framework: Framework, mode: str) -> No
 
         return icpt
 
-    with hx.intercept(tag("outer"), where=framework.keys[1]):
-        with hx.intercept(tag("inner"), where=framework.keys[1]):
-            f(X)
+    where = framework.keys[1]
+    with hx.intercept(tag("outer"), where=where), hx.intercept(tag("inner"), where=where):
+        f(X)
     assert order == ["outer", "inner"]
 
 

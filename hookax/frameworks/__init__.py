@@ -26,8 +26,11 @@ _INSTALLED: dict[str, Any] = {}
 
 
 # adapter name -> (the framework's module that must be imported, the adapter's module)
-_FRAMEWORKS = (("nnx", "flax.nnx", "_nnx"), ("linen", "flax.linen", "_linen"))
-_FRAMEWORKS += (("equinox", "equinox", "_equinox"),)
+_FRAMEWORKS: tuple[tuple[str, str, str], ...] = (
+    ("nnx", "flax.nnx", "_nnx"),
+    ("linen", "flax.linen", "_linen"),
+    ("equinox", "equinox", "_equinox"),
+)
 
 
 def ensure_installed() -> None:
