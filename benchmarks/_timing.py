@@ -2,25 +2,37 @@
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
 
 
 def interleaved(
-    configs: dict[str, Callable[[], object]], *, rounds: int, inner: dict[str, int] | int
+    configs: dict[str, Callable[[], object]],
+    *,
+    rounds: int,
+    inner: dict[str, int] | int,
+    around: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
 ) -> dict[str, float]:
-    """Median seconds per call of each config, measured round-robin over ``rounds`` rounds."""
+    """Median seconds per call of each config, measured round-robin over ``rounds`` rounds.
+
+    ``around[name]()`` gives a context entered around each of that config's rounds (set-up that
+    must not be timed per call).
+    """
+    around = around or {}
     samples: dict[str, list[float]] = {name: [] for name in configs}
-    for fn in configs.values():  # warm up: compile and fill every cache first
-        fn()
+    for name, fn in configs.items():  # warm up: compile and fill every cache first
+        with around.get(name, contextlib.nullcontext)():
+            fn()
     for _ in range(rounds):
         for name, fn in configs.items():
             n = inner if isinstance(inner, int) else inner[name]
-            t0 = time.perf_counter()
-            for _ in range(n):
-                fn()
-            samples[name].append((time.perf_counter() - t0) / n)
+            with around.get(name, contextlib.nullcontext)():
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    fn()
+                samples[name].append((time.perf_counter() - t0) / n)
     return {name: statistics.median(s) for name, s in samples.items()}
 
 

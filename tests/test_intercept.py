@@ -462,3 +462,25 @@ def test_import_hookax_imports_no_framework():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@jit_modes
+def test_interceptor_changes_inputs_and_kwargs(mode):
+    class Affine(nnx.Module):
+        def __call__(self, x, *, shift=0.0):
+            return x + shift
+
+    class Outer(nnx.Module):
+        def __init__(self):
+            self.inner = Affine()
+
+        def __call__(self, x):
+            return self.inner(x, shift=1.0)
+
+    def rewrite(next_fun, args, kwargs, context):
+        (x,) = args
+        return next_fun(x * 10, shift=kwargs["shift"] + 5)
+
+    with hx.intercept(rewrite, where=Affine):
+        y = run(mode, Outer(), jnp.arange(3.0))
+    np.testing.assert_array_equal(y, jnp.arange(3.0) * 10 + 6)
