@@ -16,7 +16,6 @@ roots. Paths are the pytree keys: attribute names and sequence/dict keys (``laye
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -24,13 +23,15 @@ import equinox as eqx
 import jax
 
 from .. import _context, _dispatch
+from ._classwrap import MARK, install_on
 
 __all__ = ["ADAPTER", "install", "wrap_class"]
 
-_MARK = "__hookax_wrapped__"
+wrap_class: Callable[[type], None]  # set by install()
+
+_MARK = MARK
 _active = _context._ACTIVE_VALUE
 _call = _dispatch.call
-_BASE_NAMES = frozenset(n for n in dir(eqx.Module) if n != "__call__")
 
 
 class EquinoxAdapter:
@@ -88,7 +89,6 @@ def _wrap(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
             return fn(self, *args, **kwargs)
         return _call(fn, name, self, args, kwargs, adapter)
 
-    setattr(wrapper, _MARK, fn)
     return wrapper
 
 
@@ -100,44 +100,7 @@ def is_internal(cls: type) -> bool:
     return False
 
 
-def _is_call_site(cls: type, name: str, value: Any) -> bool:
-    if name in _BASE_NAMES or not (name == "__call__" or not name.startswith("_")):
-        return False
-    if not isinstance(value, types.FunctionType) or hasattr(value, _MARK):
-        return False
-    if getattr(value, "__isabstractmethod__", False):
-        return False
-    return value.__qualname__.startswith(cls.__qualname__ + ".")
-
-
-def wrap_class(cls: type) -> None:
-    """Make the methods ``cls`` itself defines interceptable (idempotent)."""
-    if cls.__dict__.get("__hookax_class__") or is_internal(cls):
-        return
-    for name, value in list(vars(cls).items()):
-        if _is_call_site(cls, name, value):
-            type.__setattr__(cls, name, _wrap(value, name))
-    type.__setattr__(cls, "__hookax_class__", True)
-
-
-def _subclasses(cls: type) -> Iterator[type]:
-    sub: type
-    for sub in cls.__subclasses__():
-        yield sub
-        yield from _subclasses(sub)
-
-
 def install() -> None:
     """Wrap every existing ``eqx.Module`` subclass and every one defined from now on."""
-    prev = eqx.Module.__dict__.get("__init_subclass__")
-
-    def __init_subclass__(cls: type, **kwargs: Any) -> None:
-        if prev is not None:
-            prev.__get__(None, cls)(**kwargs)
-        else:
-            super(eqx.Module, cls).__init_subclass__(**kwargs)  # type: ignore[misc]
-        wrap_class(cls)
-
-    eqx.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
-    for cls in list(_subclasses(eqx.Module)):
-        wrap_class(cls)
+    global wrap_class
+    wrap_class = install_on(eqx.Module, _wrap, is_internal)

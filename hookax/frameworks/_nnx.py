@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,10 +11,14 @@ from flax import nnx
 from flax.nnx import graphlib
 
 from .. import _context, _dispatch
+from ._classwrap import MARK, install_on
 
 __all__ = ["ADAPTER", "install", "wrap_class"]
 
-_MARK = "__hookax_wrapped__"
+wrap_class: Callable[[type], None]  # set by install()
+_INTERNAL: tuple[type, ...] = ()  # NNX's own containers and wrappers: never call sites
+
+_MARK = MARK
 _active = _context._ACTIVE_VALUE
 _hooked = _context.HOOKED
 _HOOKS = "_hookax_hooks"  # where per-module hooks live (see _hooks.HookSet)
@@ -78,7 +81,6 @@ def _wrap(fn: Callable[..., Any], name: str) -> Callable[..., Any]:
             return fn(self, *args, **kwargs)
         return _call(fn, name, self, args, kwargs, adapter)
 
-    setattr(wrapper, _MARK, fn)
     return wrapper
 
 
@@ -89,55 +91,11 @@ def _internal_classes() -> tuple[type, ...]:
     return (nnx.List, nnx.Dict, bridge_module.Module, nnx_transforms.LiftedModule)
 
 
-_BASE_NAMES = frozenset(n for n in dir(nnx.Module) if n != "__call__")
-
-
-def _is_call_site(cls: type, name: str, value: Any) -> bool:
-    if name in _BASE_NAMES or not (name == "__call__" or not name.startswith("_")):
-        return False
-    if not isinstance(value, types.FunctionType) or hasattr(value, _MARK):
-        return False
-    # A function defined in the class body; `act = some_function` assigned from outside is
-    # an attribute that happens to be a function, not a method of this module.
-    return value.__qualname__.startswith(cls.__qualname__ + ".")
-
-
-def wrap_class(cls: type) -> None:
-    """Make the methods ``cls`` itself defines interceptable (idempotent)."""
-    if cls.__dict__.get("__hookax_class__") or cls in _INTERNAL:
-        return
-    for name, value in list(vars(cls).items()):
-        if _is_call_site(cls, name, value):
-            type.__setattr__(cls, name, _wrap(value, name))
-    type.__setattr__(cls, "__hookax_class__", True)
-
-
-def _subclasses(cls: type) -> Iterator[type]:
-    sub: type
-    for sub in cls.__subclasses__():
-        yield sub
-        yield from _subclasses(sub)
-
-
-_INTERNAL: tuple[type, ...] = ()
-
-
 def install() -> None:
     """Wrap every existing ``nnx.Module`` subclass and every one defined from now on."""
-    global _INTERNAL
+    global _INTERNAL, wrap_class
     _INTERNAL = _internal_classes()
-    prev = nnx.Module.__dict__.get("__init_subclass__")
-
-    def __init_subclass__(cls: type, **kwargs: Any) -> None:
-        if prev is not None:
-            prev.__get__(None, cls)(**kwargs)
-        else:
-            super(nnx.Module, cls).__init_subclass__(**kwargs)  # type: ignore[misc]
-        wrap_class(cls)
-
-    nnx.Module.__init_subclass__ = classmethod(__init_subclass__)  # type: ignore[assignment]
-    for cls in list(_subclasses(nnx.Module)):
-        wrap_class(cls)
+    wrap_class = install_on(nnx.Module, _wrap, lambda cls: cls in _INTERNAL)
 
     update_ctx = graphlib.UpdateContext
     orig_unflatten_end = update_ctx.unflatten_end
