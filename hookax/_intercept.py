@@ -87,5 +87,7 @@ def intercept(interceptor: Interceptor, *, where: Any = None) -> contextlib.Abst
             "`def interceptor(next_fun, args, kwargs, context): return next_fun(*args, **kwargs)`."
         )
     selector = as_selector(where, ALL_METHODS)
-    check_arity(interceptor, "intercept", False, "intercept", f"the call sites where={where!r} selects")
+    check_arity(
+        interceptor, "intercept", False, "intercept", f"the call sites where={where!r} selects"
+    )
     return scoped(Entry("intercept", FnKey(interceptor), selector))

@@ -113,6 +113,7 @@ def test_wrong_arity_names_the_root_without_where_and_accepts_flexible_signature
         lambda: hx.register_forward_hook(model, lambda m: None),
         "forward hooks at '' (MLP.__call__) are called as hook(module, args, output)",
     )
+
     # *args, defaults and bound methods are accepted: only an impossible call is refused.
     class Hooks:
         def fwd(self, m, args, out, extra=1):
@@ -162,8 +163,7 @@ FORWARD_RETURNS = [
     ),
     (
         lambda m, a, out: (out, out),
-        "has the wrong tree structure: expected float32[2,4], got "
-        "('float32[2,4]', 'float32[2,4]')",
+        "has the wrong tree structure: expected float32[2,4], got ('float32[2,4]', 'float32[2,4]')",
     ),
 ]
 
@@ -438,7 +438,7 @@ def test_capture_keys_that_collide(mode):
     )
     assert_clean(a, b)
     # The same model called twice is one call site called twice: no collision.
-    y, acts = hx.capture(lambda x: a(a(x)[:, :3]))(X)
+    _y, acts = hx.capture(lambda x: a(a(x)[:, :3]))(X)
     assert [len(v) for v in acts.values()] == [2, 2, 2, 2]
     # Made submodules of one parent module that is called, they get distinct keys.
     _, acts = hx.capture(Pair(a, b))(X)

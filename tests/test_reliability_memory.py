@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import pytest
 from flax import nnx
 
 import hookax as hx

@@ -9,6 +9,7 @@ are drawn from small sets so the number of distinct compilations stays bounded.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import jax
@@ -32,13 +33,11 @@ class Stack(nnx.Module):
         opts = {"dtype": dtype, "param_dtype": dtype, "rngs": rngs}
         if kind == "mlp":
             dims = [3] + [width] * depth
-            self.layers = nnx.List(
-                [nnx.Linear(a, b, **opts) for a, b in zip(dims, dims[1:], strict=False)]
-            )
+            self.layers = nnx.List([nnx.Linear(a, b, **opts) for a, b in itertools.pairwise(dims)])
         else:
             chans = [2] + [width] * depth
             self.layers = nnx.List(
-                [nnx.Conv(a, b, (3, 3), **opts) for a, b in zip(chans, chans[1:], strict=False)]
+                [nnx.Conv(a, b, (3, 3), **opts) for a, b in itertools.pairwise(chans)]
             )
         self.kind = kind
 
