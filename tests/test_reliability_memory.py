@@ -110,10 +110,11 @@ def test_capturing_in_a_loop_does_not_grow():
         return run
 
     loop(50)()
-    # Measured, in successive windows of 100 rounds after the warm-up: 8, 5, 2, 1 KiB (bounded
-    # caches settling), not growing with the number of rounds.
+    # Measured, in successive windows of 100 rounds after the warm-up: 8, 5, 2, 1 KiB alone, up
+    # to 15 KiB within the full suite (bounded caches settling), not growing with the rounds.
+    # One leaked array per round would add over 100 live blocks and 20 KiB.
     mem, blocks = growth(loop(100), warmup=loop(150))
-    assert mem < 12 * 1024, mem
+    assert mem < 32 * 1024, mem
     assert blocks < 100, blocks
     assert_clean(model)
 
