@@ -222,7 +222,10 @@ def value_and_grad(
     True
     """
     if not callable(fn):
-        raise HookaxError(f"hx.value_and_grad expects a loss function, got {fn!r}.")
+        raise HookaxError(
+            f"hx.value_and_grad expects a loss function, got {fn!r} of type "
+            f"{type(fn).__name__}. Fix: hx.value_and_grad(lambda model, x: model(x).sum())."
+        )
     selector = as_selector(where, CALL_ONLY)
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
 

@@ -91,10 +91,12 @@ class _Session:
         # key -> list of ("v", value) (recorded in this trace) or ("m", index) (module state)
         self.slots: dict[str, list[tuple[str, Any]]] = {}
         self.attached: list[tuple[Any, Any]] = []
+        self.owners: dict[str, Any] = {}  # key -> the module first recorded under it
 
     def record(self, ctx: Any, out: Any) -> None:
         slots = self.slots.setdefault(ctx.key, [])
         if current_trace() == self.trace:
+            self._check_collision(ctx)
             slots.append(("v", out))
             return
         index = None
@@ -110,6 +112,22 @@ class _Session:
             )
         if ("m", index) not in slots:  # a transform may trace its body more than once
             slots.append(("m", index))
+
+    def _check_collision(self, ctx: Any) -> None:
+        """Refuse two different NNX modules recorded under one key (two separate roots)."""
+        if getattr(ctx._frame.adapter, "name", None) != "nnx":
+            return  # Linen/Equinox rebuild module objects per call: identity means nothing there
+        first = self.owners.setdefault(ctx.key, ctx.module)
+        if first is ctx.module:
+            return
+        raise HookaxError(
+            f"hx.capture: call site key {ctx.key!r} ({type(ctx.module).__name__}.{ctx.method}) "
+            f"was recorded for two different modules ({type(first).__name__} at "
+            f"{id(first):#x} and {type(ctx.module).__name__} at {id(ctx.module):#x}): the "
+            f"captured function calls separate models, each the root of its own paths, so their "
+            f"keys collide. Fix: capture each model separately (hx.capture(model_a), "
+            f"hx.capture(model_b)), or make them submodules of one parent module and call that."
+        )
 
     def interceptor(self) -> Any:
         return _Recorder(self.depth)
@@ -239,7 +257,9 @@ def capture(fn: Callable[..., Any], *, where: Any = None) -> Callable[..., tuple
     """
     if not callable(fn):
         raise HookaxError(
-            f"hx.capture expects a module or a function that calls modules, got {fn!r}."
+            f"hx.capture expects a module or a function that calls modules, got {fn!r} of "
+            f"type {type(fn).__name__}. Fix: hx.capture(model)(x), or "
+            "hx.capture(lambda x: model(x))(x)."
         )
     return capture_with(fn, as_selector(where, CALL_ONLY))
 

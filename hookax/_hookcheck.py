@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -9,7 +10,7 @@ import jax
 
 from ._errors import HookError, add_note
 
-__all__ = ["check_like", "describe", "hook_name", "noted_call"]
+__all__ = ["check_arity", "check_like", "describe", "hook_name", "noted_call"]
 
 
 def hook_name(fn: Any) -> str:
@@ -73,3 +74,66 @@ def noted_call(fn: Callable[..., Any], note: str, *args: Any) -> Any:
     except BaseException as e:
         add_note(e, note)
         raise
+
+
+# How each kind of hook is called: (positional parameters, with_kwargs=True form).
+SIGNATURES = {
+    "forward_pre": ("hook(module, args)", "hook(module, args, kwargs)"),
+    "forward": ("hook(module, args, output)", "hook(module, args, kwargs, output)"),
+    "backward_pre": ("hook(module, grad_output)", None),
+    "backward": ("hook(module, grad_input, grad_output)", None),
+    "intercept": ("interceptor(next_fun, args, kwargs, context)", None),
+}
+
+
+def check_arity(fn: Any, kind: str, with_kwargs: bool, api: str, where: str) -> None:
+    """Raise :class:`HookError` if ``fn`` cannot be called the way hooks of ``kind`` are.
+
+    Checked with :func:`inspect.signature` when the function has one (builtins may not: those
+    are left to fail when called).
+
+    Args:
+      fn: the hook or interceptor.
+      kind: ``"forward_pre"``, ``"forward"``, ``"backward_pre"``, ``"backward"`` or
+        ``"intercept"``.
+      with_kwargs: whether the hook is called in its ``with_kwargs=True`` form.
+      api: the public function it was given to, e.g. ``"register_forward_hook"``.
+      where: the call sites it was registered for, e.g. ``"'layers/0' (Linear.__call__)"``.
+
+    >>> check_arity(lambda m, a, o: None, "forward", False, "register_forward_hook", "'' (M)")
+    >>> try:
+    ...     check_arity(lambda m, a: None, "forward", False, "register_forward_hook", "'' (M)")
+    ... except HookError as e:
+    ...     print(str(e).split(", but")[0])
+    hx.register_forward_hook: hook <lambda> has the signature (m, a)
+    """
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return
+    plain, kw = SIGNATURES[kind]
+    form = kw if with_kwargs and kw is not None else plain
+    n = form.count(",") + 1
+    try:
+        sig.bind(*range(n))
+    except TypeError:
+        pass
+    else:
+        return
+    name = "interceptor" if kind == "intercept" else "hook"
+    what = {
+        "forward_pre": "forward pre-hooks",
+        "forward": "forward hooks",
+        "backward_pre": "backward pre-hooks",
+        "backward": "backward hooks",
+        "intercept": "interceptors",
+    }[kind]
+    other = ""
+    if kw is not None:
+        flag = "False" if with_kwargs else "True"
+        alt = plain if with_kwargs else kw
+        other = f" (or pass with_kwargs={flag} for {alt})"
+    raise HookError(
+        f"hx.{api}: {name} {hook_name(fn)} has the signature {sig}, but {what} at {where} are "
+        f"called as {form} ({n} positional arguments). Fix: `def {form}: ...`{other}."
+    )

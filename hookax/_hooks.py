@@ -22,6 +22,7 @@ from . import _context
 from . import frameworks as _frameworks
 from ._errors import HookaxError, SelectorError
 from ._fnkey import FnKey
+from ._hookcheck import check_arity
 from ._intercept import Entry, scoped
 from ._select import CALL_ONLY, as_selector
 
@@ -201,14 +202,24 @@ def _targets(module: Any, where: Any, api: str, adapter: Any) -> list[tuple[Any,
     return out
 
 
+def _site(module: Any, targets: list[tuple[Any, tuple[str, ...]]], adapter: Any) -> str:
+    """The first call site a registration applies to, for messages: ``'layers/0' (Linear...)``."""
+    m, methods = targets[0]
+    path = next((p for p, sub in adapter.iter_modules(module) if sub is m), ())
+    more = f" and {len(targets) - 1} more" if len(targets) > 1 else ""
+    return f"{_context.path_str(path)!r} ({type(m).__name__}.{methods[0]}){more}"
+
+
 def _register(module: Any, record: HookRecord, where: Any, api: str) -> HookHandle:
     adapter = _adapter(module, api)
     if not callable(record.fn):
         raise HookaxError(
-            f"hx.{api} expects a callable hook, got {record.fn!r}. Fix: pass a function, e.g. "
-            "`def hook(module, args, output): ...`."
+            f"hx.{api} expects a callable hook, got {record.fn!r} of type "
+            f"{type(record.fn).__name__} to run at {type(module).__name__}.__call__. Fix: pass "
+            "a function, e.g. `def hook(module, args, output): ...`."
         )
     targets = _targets(module, where, api, adapter)
+    check_arity(record.fn, record.kind, record.with_kwargs, api, _site(module, targets, adapter))
     token = next(_TOKENS)
     for m, methods in targets:
         rec = dataclasses.replace(record, methods=methods, token=token)
@@ -377,5 +388,6 @@ def hooks(
                 "function, e.g. `def hook(module, args, output): ...`."
             )
         kw = with_kwargs and kind in ("forward_pre", "forward")
+        check_arity(fn, kind, kw, "hooks", f"the call sites where={where!r} selects")
         records.append(HookRecord(kind, fn, with_kwargs=kw))
     return scoped(Entry("hooks", tuple(records), as_selector(where, CALL_ONLY)))

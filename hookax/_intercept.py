@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from . import _context
 from . import frameworks as _frameworks
 from ._fnkey import FnKey
+from ._hookcheck import check_arity
 from ._select import ALL_METHODS, Selector, as_selector
 
 __all__ = ["Entry", "Interceptor", "intercept", "scoped"]
@@ -82,6 +83,11 @@ def intercept(interceptor: Interceptor, *, where: Any = None) -> contextlib.Abst
 
         raise HookaxError(
             f"hx.intercept expects a callable interceptor(next_fun, args, kwargs, context), "
-            f"got {interceptor!r}."
+            f"got {interceptor!r} of type {type(interceptor).__name__}. Fix: "
+            "`def interceptor(next_fun, args, kwargs, context): return next_fun(*args, **kwargs)`."
         )
-    return scoped(Entry("intercept", FnKey(interceptor), as_selector(where, ALL_METHODS)))
+    selector = as_selector(where, ALL_METHODS)
+    check_arity(
+        interceptor, "intercept", False, "intercept", f"the call sites where={where!r} selects"
+    )
+    return scoped(Entry("intercept", FnKey(interceptor), selector))
