@@ -1,0 +1,37 @@
+"""The recipes in docs/: every page is listed in the index, and every code block on it runs.
+
+The pages themselves run as doctests (pytest's ``--doctest-glob='*.md'`` over ``docs/``); these
+tests guard what a doctest run cannot see: a page missing from the index, a broken link, or a
+code block without ``>>>`` prompts, which doctest would silently skip.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+PAGES = sorted(p.name for p in DOCS.glob("*.md") if p.name != "index.md")
+BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.M | re.S)
+LINK = re.compile(r"\]\(([^)#]+\.md)\)")
+
+
+def test_index_lists_every_page_once_and_links_resolve() -> None:
+    index = (DOCS / "index.md").read_text()
+    linked = LINK.findall(index)
+    assert sorted(linked) == PAGES
+    assert len(PAGES) == 11
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_code_block_is_a_doctest(page: str) -> None:
+    text = (DOCS / page).read_text()
+    blocks = BLOCK.findall(text)
+    assert blocks, f"{page} has no code block"
+    for lang, body in blocks:
+        assert lang == "python", f"{page}: a ```{lang} block is not executed; use ```python"
+        assert body.lstrip().startswith(">>> "), f"{page}: a block without >>> is not executed"
+        # A block must end with a blank line so doctest stops comparing before the fence.
+        assert body.endswith("\n\n"), f"{page}: end each block with a blank line before ```"
+    for target in LINK.findall(text):
+        assert (DOCS / target).is_file(), f"{page} links to missing {target}"
