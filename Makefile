@@ -26,8 +26,8 @@ demo: $(VENV)/.installed-cli
 	$(BIN)/hookax summary --example transformer
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check hookax tests benchmarks
-	$(BIN)/ruff format --check hookax tests benchmarks
+	$(BIN)/ruff check hookax tests benchmarks docs
+	$(BIN)/ruff format --check hookax tests benchmarks docs
 
 typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
