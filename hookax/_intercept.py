@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
@@ -28,24 +29,68 @@ class Interceptor(Protocol):
     ) -> Any: ...
 
 
-@dataclasses.dataclass(frozen=True)
 class Entry:
-    """One active scoped thing. Compared by value: it is part of the jit cache key."""
+    """One active scoped thing. Compared by value: it is part of the jit cache key.
 
-    kind: str
-    key: Any  # a FnKey for a function; for hooks, the tuple of hook records
-    selector: Selector
+    JAX hashes and compares the active entries on every jitted call and every eager operation,
+    so the hash is computed once, and :func:`scoped` interns entries: entering a block again
+    with an equal entry reuses the same object, and JAX's comparisons stop at identity.
+    """
+
+    __slots__ = ("__weakref__", "_hash", "key", "kind", "selector")
+
+    def __init__(self, kind: str, key: Any, selector: Selector) -> None:
+        self.kind = kind
+        self.key = key  # a FnKey for a function; for hooks, the tuple of hook records
+        self.selector = selector
+        self._hash = hash((kind, key, selector))
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Entry) or self._hash != other._hash:
+            return False
+        return (self.kind, self.key, self.selector) == (other.kind, other.key, other.selector)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"Entry({self.kind!r}, {self.key!r}, {self.selector!r})"
 
     @property
     def fn(self) -> Any:
         return self.key.fn if isinstance(self.key, FnKey) else self.key
 
 
+# hash -> weak reference: an entry stays interned while a block or one of JAX's cache keys holds
+# it, no longer. (A hash collision just means the newer entry is not interned.)
+_INTERNED: dict[int, weakref.ref[Entry]] = {}
+_INTERN_LOCK = threading.RLock()  # re-entrant: a weakref callback may run inside _intern
+
+
+def _intern(entry: Entry) -> Entry:
+    h = entry._hash
+    with _INTERN_LOCK:
+        ref = _INTERNED.get(h)
+        found = ref() if ref is not None else None
+        if found is not None and found == entry:
+            return found
+
+        def forget(dead: weakref.ref[Entry]) -> None:
+            with _INTERN_LOCK:
+                if _INTERNED.get(h) is dead:
+                    del _INTERNED[h]
+
+        _INTERNED[h] = weakref.ref(entry, forget)
+        return entry
+
+
 @contextlib.contextmanager
 def scoped(entry: Entry) -> Iterator[None]:
     """Make ``entry`` active on this thread for the block (innermost last)."""
     _frameworks.ensure_installed()
-    with _context.ACTIVE((*_context.active_entries(), entry)):
+    with _context.ACTIVE((*_context.active_entries(), _intern(entry))):
         yield
 
 

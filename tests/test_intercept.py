@@ -484,3 +484,14 @@ def test_interceptor_changes_inputs_and_kwargs(mode):
     with hx.intercept(rewrite, where=Affine):
         y = run(mode, Outer(), jnp.arange(3.0))
     np.testing.assert_array_equal(y, jnp.arange(3.0) * 10 + 6)
+
+
+def test_equal_blocks_share_one_entry_object():
+    """JAX compares the active entries on every call: equal blocks reuse one (interned) object."""
+    with hx.intercept(double_linear, where=nnx.Linear):
+        (first,) = _context.active_entries()
+    with hx.intercept(double_linear, where=nnx.Linear):
+        (again,) = _context.active_entries()
+    with hx.intercept(double_linear, where="layers/0"):
+        (other,) = _context.active_entries()
+    assert again is first and other is not first and other != first
