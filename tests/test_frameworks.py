@@ -9,33 +9,12 @@ import equinox as eqx
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import hookax as hx
 from hookax import _context
 
-
-def close(a: Any, b: Any) -> None:
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
-
-
-class Keys:
-    def __init__(self) -> None:
-        self.seen: list[tuple[str, str]] = []
-
-    def __call__(self, next_fun: Any, args: tuple, kwargs: dict, ctx: hx.Context) -> Any:
-        self.seen.append((ctx.key, type(ctx.module).__name__))
-        return next_fun(*args, **kwargs)
-
-
-_KEYS = Keys()
-
-
-def keys() -> Keys:
-    """The one recorder, emptied: one object, so one jit-cache key for every test."""
-    _KEYS.seen.clear()
-    return _KEYS
+from .test_conformance import close, keys
 
 
 def zero(next_fun: Any, args: tuple, kwargs: dict, ctx: Any) -> Any:
