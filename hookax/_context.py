@@ -75,7 +75,7 @@ def path_str(path: tuple[Any, ...]) -> str:
 class Frame:
     """One call site in progress: a module, a method name, and how to find its path."""
 
-    __slots__ = ("_path", "_paths", "adapter", "method", "module", "parent")
+    __slots__ = ("_path", "_paths", "adapter", "context", "method", "module", "parent")
 
     def __init__(self, module: Any, method: str, parent: Frame | None, adapter: Any) -> None:
         self.module = module
@@ -84,6 +84,8 @@ class Frame:
         self.adapter = adapter
         self._path: tuple[Any, ...] | None = None
         self._paths: dict[int, tuple[tuple[Any, ...], Any]] | None = None
+        # The call site's Context; set by the dispatcher whenever any scoped entry is active.
+        self.context: Context | None = None
 
     def _roots(self) -> Iterator[Frame]:
         """Frames whose module is a root for path lookups: innermost local root first."""

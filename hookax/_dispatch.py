@@ -69,7 +69,7 @@ def _run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dic
     entries = _active.value
     if not entries:
         return inner(*args, **kwargs)
-    ctx = _context.Context(frame, inner)
+    ctx = frame.context = _context.Context(frame, inner)
     chain = [e for e in entries if e.kind == "intercept" and e.selector.matches(ctx)]
     if not chain:
         return inner(*args, **kwargs)

@@ -9,7 +9,6 @@ the next call.
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -32,12 +31,10 @@ def _collect(frame: _context.Frame, fn: Callable[..., Any]) -> dict[str, list[Re
     found: dict[str, list[Rec]] = {}
     entries = _active.value
     if entries:
-        ctx = None
+        ctx = frame.context  # built once per call site by the dispatcher
         for e in entries:
             if e.kind != "hooks" or not e.fn:
                 continue
-            if ctx is None:
-                ctx = _context.Context(frame, functools.partial(fn, module))
             if e.selector.matches(ctx):
                 for r in e.fn:
                     found.setdefault(r.kind, []).append(r)

@@ -19,7 +19,6 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import _context
 from . import _summary_trace as trace
 from ._intercept import intercept
 
@@ -62,22 +61,7 @@ def _table(
         direct[path] = {id(x) for x in direct_of(path, module)}
         for vid in direct[path]:
             owners.setdefault(vid, []).append(path)
-    shared = {vid for vid, paths in owners.items() if len(paths) > 1}
-    count = {p: sum(sizes[v][0] for v in vs) for p, vs in below.items()}
-    nbytes = {p: sum(sizes[v][1] for v in vs) for p, vs in below.items()}
-    shared_with = {
-        path: tuple(sorted({_context.path_str(o) for v in vs & shared for o in owners[v]} - {""}))
-        for path, vs in direct.items()
-    }
-    root = below.get((), set())
-    return trace.ParamTable(
-        count=count,
-        nbytes=nbytes,
-        shared_with={p: s for p, s in shared_with.items() if s},
-        total=count.get((), 0),
-        total_bytes=nbytes.get((), 0),
-        shared_total=sum(sizes[v][0] for v in root & shared),
-    )
+    return trace.assemble_params(sizes, owners, below, direct)
 
 
 class _Linen:

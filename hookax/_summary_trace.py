@@ -268,14 +268,26 @@ def param_table(model: Any) -> ParamTable:
             if not any(tuple(p[:i]) in inner for i in range(1, len(p))):
                 direct[path].add(vid)
                 owners.setdefault(vid, []).append(path)
+    return assemble_params(sizes, owners, below, direct)
+
+
+def assemble_params(
+    sizes: dict[int, tuple[int, int]],
+    owners: dict[int, list[tuple[Any, ...]]],
+    below: dict[tuple[Any, ...], set[int]],
+    direct: dict[tuple[Any, ...], set[int]],
+) -> ParamTable:
+    """The table from parameter ids: sizes, owning modules, and each module's sets.
+
+    ``below[path]`` are the parameters of the module at ``path`` and its submodules;
+    ``direct[path]`` its own; ``owners[id]`` the modules holding a parameter directly.
+    """
     shared = {vid for vid, paths in owners.items() if len(paths) > 1}
     count = {p: sum(sizes[v][0] for v in vs) for p, vs in below.items()}
     nbytes = {p: sum(sizes[v][1] for v in vs) for p, vs in below.items()}
     shared_with = {
         path: tuple(
-            sorted(
-                {_context.path_str(o) for v in vs & shared for o in owners[v] if o != path},
-            )
+            sorted({_context.path_str(o) for v in vs & shared for o in owners[v] if o != path})
         )
         for path, vs in direct.items()
     }

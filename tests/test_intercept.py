@@ -495,3 +495,22 @@ def test_equal_blocks_share_one_entry_object():
     with hx.intercept(double_linear, where="layers/0"):
         (other,) = _context.active_entries()
     assert again is first and other is not first and other != first
+
+
+@pytest.mark.parametrize("mode", ["eager", "jax.jit"])
+def test_one_context_per_call_site_for_interceptors_and_scoped_hooks(mode):
+    seen: list[object] = []
+
+    def record(next_fun, args, kwargs, context):
+        seen.append(context)
+        return next_fun(*args, **kwargs)
+
+    def pick(ctx):
+        seen.append(ctx)
+        return True
+
+    lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    with hx.intercept(record), hx.hooks(where=pick, forward=lambda m, a, out: out * 2):
+        y = run(mode, lin, jnp.ones(2))
+    np.testing.assert_allclose(y, 2 * (jnp.ones(2) @ lin.kernel[...] + lin.bias[...]), rtol=1e-6)
+    assert len(seen) == 2 and seen[0] is seen[1]  # built once, shared
