@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import ad_checkpoint, ad_util, core, pjit
+from jax._src.tree_util import FlatTree
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax.control_flow import conditionals, loops
@@ -421,11 +422,29 @@ RULES: dict[Any, Callable[..., Any]] = {
 # ---- custom derivatives and shard_map ------------------------------------------------------
 
 
-def _trace_fun(fun: Any, args: Any) -> core.ClosedJaxpr:
-    """Trace a custom-derivative function's body once (its output tree lands in its store)."""
+def _trace_fun(fun: Any, args: Any) -> tuple[core.ClosedJaxpr, list[tuple[Any, Any]]]:
+    """Trace a custom-derivative function's body once; empty its stores, return what they held.
+
+    JAX's caller reads the output tree from either the function's stores or the rule's (never
+    both): the stores are refilled by :func:`_restore` only if the parent trace did not call the
+    rule.
+    """
     avals = [core.typeof(a) for a in args]
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(fun, avals)
-    return core.ClosedJaxpr(jaxpr, consts)
+    saved = []
+    for st in fun.stores:
+        inner = getattr(st, "_store", st)
+        if inner is not None and inner:
+            saved.append((st, inner._val))
+            st.reset()
+    return core.ClosedJaxpr(jaxpr, consts), saved
+
+
+def _restore(saved: list[tuple[Any, Any]], rule: Any) -> None:
+    if any(getattr(st, "_store", st) for st in rule.stores if st is not None):
+        return  # the parent trace ran the rule: its stores hold the output tree
+    for st, val in saved:
+        st.store(val)
 
 
 def _as_fun(closed: core.ClosedJaxpr, like: Any) -> Any:
@@ -444,13 +463,15 @@ def custom_jvp(
     trace: HarvestTrace, prim: Any, fun: Any, jvp: Any, args: Any, *, symbolic_zeros: bool
 ) -> Any:
     s = trace.session
-    closed = _trace_fun(fun, args)
+    closed, saved = _trace_fun(fun, args)
     n_out = len(closed.out_avals)
     params = {"symbolic_zeros": symbolic_zeros}
     avals = [core.typeof(a) for a in args]
     if s.sid not in _sids(closed):
         params["subfuns"] = (_as_fun(closed, fun), jvp)
-        return prim.bind_with_trace(trace.parent, args, avals, params)
+        outs = prim.bind_with_trace(trace.parent, args, avals, params)
+        _restore(saved, jvp)
+        return outs
     reaped, metas = reap_jaxpr(closed, s)
     if s.mode == "plant":
         _no_plant(s, metas, "jax.custom_jvp")
@@ -467,6 +488,7 @@ def custom_jvp(
 
     params["subfuns"] = (_as_fun(reaped, fun), lu.wrap_init(new_jvp, debug_info=jvp.debug_info))
     outs = prim.bind_with_trace(trace.parent, args, avals, params)
+    _restore(saved, jvp)
     deliver(s, metas, list(outs[n_out:]), None)
     return outs[:n_out]
 
@@ -475,36 +497,69 @@ def custom_vjp(
     trace: HarvestTrace, prim: Any, fun: Any, fwd: Any, bwd: Any, args: Any, **kw: Any
 ) -> Any:
     s = trace.session
-    closed = _trace_fun(fun, args)
+    closed, saved = _trace_fun(fun, args)
     avals = [core.typeof(a) for a in args]
     if s.sid not in _sids(closed):
         params = dict(kw, subfuns=(_as_fun(closed, fun), fwd, bwd))
-        return prim.bind_with_trace(trace.parent, args, avals, params)
+        outs = prim.bind_with_trace(trace.parent, args, avals, params)
+        _restore(saved, fwd)
+        return outs
     reaped, metas = reap_jaxpr(closed, s)
     if s.mode == "plant":
         _no_plant(s, metas, "jax.custom_vjp")
-    # Outside differentiation the custom rule plays no part: run the body with its marks.
+    # Run eagerly, the custom rule plays no part: run the body with its marks. Staged (under
+    # jit, grad, vmap) the rule must stay, and a custom_vjp rule has no room for extra outputs.
     n_out = len(closed.out_avals)
+    if trace.parent is not core.eval_trace:
+        raise HookaxError(
+            f"{s.who}: call site {metas[0].key!r} runs inside a jax.custom_vjp function under a "
+            "transform (jit, grad, vmap); hookax cannot carry its value out without dropping "
+            "the function's custom gradient rule. Capture it eagerly (no jit around the call), "
+            "or exclude it with where=."
+        )
+    for st, val in saved:
+        st.store(val)
     with core.set_current_trace(trace.parent):
         outs = _eval(reaped, list(args))
-    if any(isinstance(trace.parent, t) for t in _DIFF_TRACES()):
-        raise HookaxError(
-            f"{s.who}: call site {metas[0].key!r} runs inside a jax.custom_vjp function that "
-            "is being differentiated; hookax cannot carry its value out without dropping the "
-            "custom rule. Capture outside the differentiation, or exclude it with where=."
-        )
     deliver(s, metas, list(outs[n_out:]), None)
     return outs[:n_out]
 
 
-def _DIFF_TRACES() -> tuple[type, ...]:
-    from jax._src.interpreters import ad
-
-    return (ad.JVPTrace, ad.LinearizeTrace)
-
 
 def shard_map(trace: HarvestTrace, prim: Any, fun: Any, args: Any, **params: Any) -> Any:
-    return trace.parent.process_shard_map(prim, fun, args, **params)
+    """Per-shard marked values leave a ``shard_map`` stacked on a new leading axis (one entry per
+    shard, over all its manual mesh axes)."""
+    s = trace.session
+    axes = tuple(a for a in params["mesh"].axis_names if a in params["newly_manual_axes"])
+    n = int(np.prod([params["mesh"].shape[a] for a in axes]))
+    spec = jax.sharding.PartitionSpec(axes)
+    found: list[Any] = []
 
+    def body(*a: Any) -> Any:
+        child = Session(s.sid, s.who, "reap")
+        with core.set_current_trace(HarvestTrace(core.trace_ctx.trace, child)):
+            ft = fun(*a)
+        if not child.records:
+            return ft
+        if s.mode == "plant":
+            raise HookaxError(
+                f"{s.who} cannot differentiate with respect to call site "
+                f"{child.records[0].key!r}: it runs inside a jax.shard_map body, where hookax "
+                "cannot inject its probe yet. Differentiate inside the shard_map body "
+                "(hx.value_and_grad within it), or exclude the call site with where=."
+            )
+        found[:] = [
+            Meta(r.key, r.spec, tuple(core.typeof(v) for v in r.values), r.axes)
+            for r in child.records
+        ]
+        extras = [jnp.expand_dims(v, 0) for r in child.records for v in r.values]
+        data, specs = ft.unpack_aux()
+        packed = FlatTree.pack((data, FlatTree.flatten(extras)))
+        return packed.with_aux((*specs, *[spec] * len(extras)))
 
-del np, jax
+    out = trace.parent.process_shard_map(prim, body, args, **params)
+    if not found:
+        return out
+    main, extra = out.unpack()
+    deliver(s, tuple(found), list(extra.vals), ("shard_map", n))
+    return main

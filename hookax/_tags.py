@@ -299,6 +299,10 @@ class HarvestTrace(core.Trace):
     def cur_qdd(self, x: Any) -> Any:
         return self.parent.cur_qdd(x)
 
+    def stage_value(self, val: Any) -> Any:
+        with core.set_current_trace(self.parent):
+            return self.parent.stage_value(val)
+
 
 def run(session: Session, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Run ``fn`` with ``session`` collecting on top of the current trace (a top-level session)."""
