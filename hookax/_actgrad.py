@@ -94,7 +94,10 @@ def _discover(fn: Any, where: Any, mode: Any, args: tuple, kwargs: dict) -> list
 
 def _zeros(records: list[Any]) -> list[list[Any]]:
     return [
-        [jnp.zeros(a.shape, a.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else None for a in avals]
+        [
+            jnp.zeros(a.shape, a.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else None
+            for a in avals
+        ]
         for _, _, avals in records
     ]
 

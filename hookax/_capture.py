@@ -41,10 +41,30 @@ class _Marker:
         if live is not None:
             live.matched = True
             live.starts.setdefault(ctx.key)
+            _check_collision(live, ctx)
         return _tags.mark(next_fun(*args, **kwargs), self.sid, ctx.key)
 
 
 _EVERY_CALL_SITE = as_selector(None, ALL_METHODS)
+
+
+def _check_collision(live: _tags.Session, ctx: Any) -> None:
+    """Refuse two different NNX modules under one key (two separate roots in one function)."""
+    adapter = ctx._frame.adapter
+    if getattr(adapter, "name", None) != "nnx":
+        return  # Linen/Equinox rebuild module objects per call: identity means nothing there
+    *_, module = adapter.aliases(ctx.module)  # the outermost copy (inside NNX transforms)
+    first = live.owners.setdefault(ctx.key, module)
+    if first is module:
+        return
+    raise HookaxError(
+        f"{live.who}: call site key {ctx.key!r} ({type(ctx.module).__name__}.{ctx.method}) "
+        f"was recorded for two different modules ({type(first).__name__} at {id(first):#x} "
+        f"and {type(module).__name__} at {id(module):#x}): the captured function calls separate "
+        f"models, each the root of its own paths, so their keys collide. Fix: capture each "
+        f"model separately ({live.who}(model_a), {live.who}(model_b)), or make them submodules "
+        f"of one parent module and call that."
+    )
 
 
 class _Session:
@@ -123,7 +143,7 @@ def capture(fn: Callable[..., Any], *, where: Any = None) -> Callable[..., tuple
     >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
     >>> y, acts = hx.capture(model)(jnp.ones((4, 2)))
     >>> {k: [v.shape for v in vs] for k, vs in acts.items()}
-    {'layers/0': [(4, 3)], '': [(4, 3)]}
+    {'': [(4, 3)], 'layers/0': [(4, 3)]}
     """
     if not callable(fn):
         raise HookaxError(

@@ -12,9 +12,8 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._errors import SelectorError
-
 from ._context import path_str
+from ._errors import SelectorError
 
 if TYPE_CHECKING:
     from ._context import Context

@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src import ad_checkpoint, ad_util, core, pjit
-from jax._src.tree_util import FlatTree
 from jax._src import linear_util as lu
 from jax._src.interpreters import partial_eval as pe
 from jax._src.lax.control_flow import conditionals, loops
+from jax._src.tree_util import FlatTree
 
 from ._errors import HookaxError
 from ._tags import HarvestTrace, Record, Session, tag_p
@@ -138,9 +138,7 @@ def reap_jaxpr(closed: Any, session: Session) -> tuple[core.ClosedJaxpr, tuple[M
 
 def _probe_avals(metas: tuple[Meta, ...]) -> list[list[Any]]:
     """Per record, the avals of its probes (None for leaves that are not inexact)."""
-    return [
-        [a if jnp.issubdtype(a.dtype, jnp.inexact) else None for a in m.avals] for m in metas
-    ]
+    return [[a if jnp.issubdtype(a.dtype, jnp.inexact) else None for a in m.avals] for m in metas]
 
 
 def _flat(probes: list[list[Any]]) -> list[Any]:
@@ -354,7 +352,7 @@ def _cond(trace: HarvestTrace, args: Any, params: dict) -> Any:
         for b, (r, bm) in zip(branches, reaped):
             pos = _positions(bm, slots)
 
-            def branch(*a: Any, r: Any = r, bm: Any = bm, pos: list[int] = pos) -> list[Any]:
+            def branch_reap(*a: Any, r: Any = r, bm: Any = bm, pos: list[int] = pos) -> list[Any]:
                 outs = _eval(r, list(a))
                 it = iter(outs[n_out:])
                 got = {j: [next(it) for _ in m.avals] for j, m in zip(pos, bm)}
@@ -365,7 +363,7 @@ def _cond(trace: HarvestTrace, args: Any, params: dict) -> Any:
                 ]
                 return [*outs[:n_out], *extra]
 
-            new.append(_trace(branch, list(b.in_avals)))
+            new.append(_trace(branch_reap, list(b.in_avals)))
         outs = _bind(trace, conditionals.cond_p, [index, *ops], dict(params, branches=tuple(new)))
         deliver(s, metas, outs[n_out:], ("cond", None))
         return outs[:n_out]
@@ -383,7 +381,9 @@ def _cond(trace: HarvestTrace, args: Any, params: dict) -> Any:
             return _eval(planted, [*a[:nb], *mine])
 
         new.append(_trace(branch, [*b.in_avals, *_flat(like)]))
-    return _bind(trace, conditionals.cond_p, [index, *ops, *probes], dict(params, branches=tuple(new)))
+    return _bind(
+        trace, conditionals.cond_p, [index, *ops, *probes], dict(params, branches=tuple(new))
+    )
 
 
 def _remat(trace: HarvestTrace, args: Any, params: dict) -> Any:
@@ -394,8 +394,17 @@ def _remat(trace: HarvestTrace, args: Any, params: dict) -> Any:
     prevent_cse = params["prevent_cse"]
     if s.mode == "reap":
         body, consts = _closed_to_consts(reaped)
-        extra_cse = (*[False] * len(consts), *prevent_cse) if isinstance(prevent_cse, tuple) else prevent_cse
-        outs = _bind(trace, ad_checkpoint.remat_p, [*consts, *args], dict(params, jaxpr=body.jaxpr, prevent_cse=extra_cse))
+        extra_cse = (
+            (*[False] * len(consts), *prevent_cse)
+            if isinstance(prevent_cse, tuple)
+            else prevent_cse
+        )
+        outs = _bind(
+            trace,
+            ad_checkpoint.remat_p,
+            [*consts, *args],
+            dict(params, jaxpr=body.jaxpr, prevent_cse=extra_cse),
+        )
         deliver(s, metas, outs[n_out:], None)
         return outs[:n_out]
     probes = _take(s, metas)
@@ -465,7 +474,7 @@ def custom_jvp(
     s = trace.session
     closed, saved = _trace_fun(fun, args)
     n_out = len(closed.out_avals)
-    params = {"symbolic_zeros": symbolic_zeros}
+    params: dict[str, Any] = {"symbolic_zeros": symbolic_zeros}
     avals = [core.typeof(a) for a in args]
     if s.sid not in _sids(closed):
         params["subfuns"] = (_as_fun(closed, fun), jvp)
@@ -523,7 +532,6 @@ def custom_vjp(
         outs = _eval(reaped, list(args))
     deliver(s, metas, list(outs[n_out:]), None)
     return outs[:n_out]
-
 
 
 def shard_map(trace: HarvestTrace, prim: Any, fun: Any, args: Any, **params: Any) -> Any:

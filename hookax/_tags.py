@@ -104,9 +104,7 @@ def _tag_batch(axis_data: Any, args: Any, dims: Any, **params: Any) -> Any:
     # The batch axis goes first (what the caller of a vmapped model sees); a value that does not
     # depend on the mapped input is broadcast, so every entry has the batch axis.
     moved = [
-        batching.broadcast(x, axis_data.size, 0, None)
-        if d is None
-        else jnp.moveaxis(x, d, 0)
+        batching.broadcast(x, axis_data.size, 0, None) if d is None else jnp.moveaxis(x, d, 0)
         for x, d in zip(args, dims)
     ]
     return tag_p.bind(*moved, **params), [0] * len(moved)
@@ -184,6 +182,7 @@ class Session:
         self.used = 0  # probes consumed so far (plant)
         self.seen: set[tuple[str, str]] = set()  # (key, path) of call sites not selected
         self.matched = False  # whether any call site was selected
+        self.owners: dict[str, Any] = {}  # key -> the NNX module first selected under it
         self.starts: dict[str, None] = {}  # selected keys in the order their first call started
 
     def on_tag(self, args: list[Any], key: str, spec: Spec) -> list[Any]:

@@ -349,7 +349,7 @@ class Broadcast(nnx.Module):
 
 def test_broadcast_module_in_nnx_vmap(x: jax.Array) -> None:
     m = Broadcast(nnx.Rngs(0))
-    y, acts = hx.capture(m)(x)
+    _, acts = hx.capture(m)(x)
     lin = x @ m.block.lin.kernel[...] + m.block.lin.bias[...]
     assert_acts(acts, {"block/lin": [lin], "block": [jnp.tanh(lin)], "": [jnp.tanh(lin)]})
     assert_clean(m)

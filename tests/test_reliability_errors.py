@@ -430,8 +430,8 @@ def test_capture_keys_that_collide(mode):
     raises(
         hx.HookaxError,
         lambda: fwd(X),
-        "hx.capture: call site key 'layers/0' (Linear.__call__) was recorded for two different "
-        "modules (Linear at 0x",
+        "hx.capture: call site key '' (MLP.__call__) was recorded for two different "
+        "modules (MLP at 0x",
         "the captured function calls separate models, each the root of its own paths, so their "
         "keys collide. Fix: capture each model separately (hx.capture(model_a), "
         "hx.capture(model_b)), or make them submodules of one parent module and call that.",

@@ -233,13 +233,15 @@ def expected_inside(m: Inside, x: jax.Array) -> dict[str, list[Any]]:
     return {"a": [hs[-1]], "": [h]}  # while: the last iteration's value
 
 
-@pytest.mark.parametrize("how", ["vmap", "map", "checkpoint", "cond", "fori", "while", "custom_jvp"])
+@pytest.mark.parametrize(
+    "how", ["vmap", "map", "checkpoint", "cond", "fori", "while", "custom_jvp"]
+)
 @pytest.mark.parametrize("jit", [False, True])
 def test_transforms_inside_the_model(how: str, jit: bool) -> None:
     m = Inside(how, nnx.Rngs(0))
     x = jnp.abs(jax.random.normal(jax.random.key(1), (4, D)))
     f = jax.jit(lambda m, x: m(x)) if jit else (lambda m, x: m(x))
-    y, acts = hx.capture(f)(m, x)
+    _, acts = hx.capture(f)(m, x)
     want = expected_inside(m, x)
     assert set(acts) == set(want)
     for k, vs in want.items():
@@ -288,7 +290,7 @@ def test_activation_gradients_inside_the_model(how: str) -> None:
 def test_cond_branch_not_taken_reads_nan() -> None:
     m = Inside("cond", nnx.Rngs(0))
     x = -jnp.ones((2, D))  # x.sum() < 0: the branch without self.a runs
-    y, acts = jax.jit(hx.capture(m))(x)
+    _, acts = jax.jit(hx.capture(m))(x)
     assert np.isnan(np.asarray(acts["a"][0])).all()
     close(acts[""][0], -x)
 
@@ -340,9 +342,7 @@ def test_linen_scan_and_vmap() -> None:
     class Net(nn.Module):
         @nn.compact
         def __call__(self, x: jax.Array) -> jax.Array:
-            scan = nn.scan(
-                Cell, variable_axes={"params": 0}, split_rngs={"params": True}, length=3
-            )
+            scan = nn.scan(Cell, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
             c, _ = scan(name="cells")(x, None)
             heads = nn.vmap(
                 nn.Dense, variable_axes={"params": 0}, split_rngs={"params": True}, in_axes=0
@@ -392,7 +392,7 @@ def test_shard_map_inside_the_model_stacks_per_shard_values() -> None:
 
     x = jax.device_put(jnp.ones((32, D)), NamedSharding(mesh, P("data")))
     for f in (lambda m, x: m(x), jax.jit(lambda m, x: m(x))):
-        y, acts = hx.capture(f, where=nnx.Linear)(M(), x)
+        _, acts = hx.capture(f, where=nnx.Linear)(M(), x)
         (per_shard,) = acts[""]  # the Linear is a root of its own inside the body
         assert per_shard.shape == (4, 8, 4)
         assert per_shard.sharding.spec[0] == "data"
