@@ -1,0 +1,149 @@
+"""The device side of ``hx.harvest``: one jitted step per batch, and the arrays it produces.
+
+The step runs ``hx.capture`` under jit, casts floating outputs to the store's dtype on the device
+(so ``bfloat16`` also halves the bytes moved to the host), flattens every captured output into
+named leaves (one stored array each) and computes the batch's row mask. An NNX module is passed
+to ``nnx.jit`` as an argument (its parameters are not baked into the program); any other function
+is jitted with ``jax.jit``, closing over the modules it calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._capture import capture_with
+from ._errors import HookaxError
+
+__all__ = ["Leaf", "Step", "as_args", "leaf_specs", "replicated"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One stored array: which call site, which call, which part of the output."""
+
+    name: str  # what users index the store with: "layers/0", "attn#1", "pair[0]"
+    key: str  # the call site's key
+    call: int  # which call of that call site
+    part: str  # jax.tree_util.keystr of the leaf inside the output ("" for an array output)
+    shape: tuple[int, ...]  # per-row shape (the value's shape after the row axes)
+    dtype: str  # stored dtype
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "call": self.call,
+            "part": self.part,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+        }
+
+
+def as_args(batch: Any) -> tuple[Any, ...]:
+    """A batch as the positional arguments of ``fn``: a tuple as it is, anything else alone."""
+    return batch if isinstance(batch, tuple) else (batch,)
+
+
+def _leaves(acts: dict[str, tuple[Any, ...]]) -> list[tuple[str, str, int, str, Any]]:
+    """``(name, key, call, part, value)`` for every array leaf of every captured output."""
+    out = []
+    for key, calls in acts.items():
+        for call, value in enumerate(calls):
+            for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+                part = jax.tree_util.keystr(path)
+                name = key + (f"#{call}" if len(calls) > 1 else "") + part
+                out.append((name, key, call, part, leaf))
+    return out
+
+
+def _cast(x: Any, dtype: Any) -> Any:
+    if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return x.astype(dtype)
+
+
+def replicated(x: Any) -> Any:
+    """``x`` on every device of every process (a no-op with one process)."""
+    if jax.process_count() == 1:
+        return x
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()), ("hookax_all",))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
+
+
+class Step:
+    """The jitted step: ``step(*args) -> ({name: value}, row mask)``.
+
+    ``origin`` maps each name to ``(key, call, part)``; it is filled while the step traces.
+    """
+
+    def __init__(
+        self, fn: Any, selector: Any, dtype: Any, mask: Callable[..., Any] | None, row_axes: int
+    ) -> None:
+        self.origin: dict[str, tuple[str, int, str]] = {}
+
+        def body(f: Any, *args: Any) -> tuple[dict[str, Any], Any]:
+            _, acts = capture_with(f, selector)(*args)
+            values = {}
+            for name, key, call, part, v in _leaves(acts):
+                self.origin[name] = (key, call, part)
+                values[name] = _cast(v, dtype)
+            first = next(iter(values.values()), None)
+            rows = () if first is None else tuple(first.shape[:row_axes])
+            m = jnp.ones(rows, bool) if mask is None else jnp.asarray(mask(*args), bool)
+            return values, replicated(m)
+
+        if _is_nnx_module(fn):
+            from flax import nnx
+
+            jitted = nnx.jit(body)
+            self._run: Callable[..., Any] = lambda *args: jitted(fn, *args)
+            self._shapes: Callable[..., Any] = lambda *args: nnx.eval_shape(body, fn, *args)
+        else:
+            self._run = jax.jit(lambda *args: body(fn, *args))
+            self._shapes = lambda *args: jax.eval_shape(self._run, *args)
+
+    def __call__(self, *args: Any) -> tuple[dict[str, Any], Any]:
+        return self._run(*args)
+
+    def shapes(self, *args: Any) -> tuple[dict[str, Any], Any]:
+        """Abstract outputs (shapes and dtypes) for these arguments; computes nothing."""
+        return self._shapes(*args)
+
+
+def _is_nnx_module(fn: Any) -> bool:
+    import sys
+
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(fn, nnx.Module)
+
+
+def leaf_specs(step: Step, args: tuple[Any, ...], row_axes: int, masked: bool) -> list[Leaf]:
+    """The stored arrays of ``step`` on ``args`` (computed abstractly); checks the row axes."""
+    values, m = step.shapes(*args)
+    leaves: list[Leaf] = []
+    rows = tuple(m.shape)
+    if masked and len(rows) != row_axes:
+        raise HookaxError(
+            f"hx.harvest: mask= returned a {len(rows)}-d mask of shape {rows}, but "
+            f"row_axes={row_axes}. The mask has one entry per stored row: its shape is the "
+            f"leading row_axes axes of every captured value. Fix: row_axes={len(rows)}."
+        )
+    for name, v in values.items():
+        if tuple(v.shape[:row_axes]) != rows or v.ndim < row_axes:
+            raise HookaxError(
+                f"hx.harvest: call site output {name!r} has shape {tuple(v.shape)}, whose leading "
+                f"{row_axes} axes are not the batch's rows {rows} (row_axes={row_axes}"
+                f"{', from the mask' if masked else ', from the first output'}). Every stored "
+                f"value must lead with the same row axes. Fix: select only call sites whose "
+                f"outputs lead with the batch axes (where=...), or set row_axes= to match."
+            )
+        key, call, part = step.origin[name]
+        leaves.append(Leaf(name, key, call, part, tuple(v.shape[row_axes:]), str(v.dtype)))
+    return leaves
