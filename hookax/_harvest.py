@@ -189,7 +189,7 @@ def harvest(
     first = next(it, None)
     if first is None:
         raise HookaxError("hx.harvest: batches is empty: there is nothing to harvest.")
-    step = Step(fn, as_selector(where, CALL_ONLY), dtype, mask, row_axes)
+    step = Step(fn, as_selector(where, CALL_ONLY), dtype, mask, row_axes, as_args(first))
     leaves = leaf_specs(step, as_args(first), row_axes, mask is not None)
     if not leaves:
         raise HookaxError(

@@ -20,7 +20,7 @@ import numpy as np
 from ._capture import capture_with
 from ._errors import HookaxError
 
-__all__ = ["Leaf", "Step", "as_args", "leaf_specs", "replicated"]
+__all__ = ["Leaf", "Step", "as_args", "leaf_specs", "replication"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,14 +67,23 @@ def _cast(x: Any, dtype: Any) -> Any:
     return x.astype(dtype)
 
 
-def replicated(x: Any) -> Any:
-    """``x`` on every device of every process (a no-op with one process)."""
+def replication(args: tuple[Any, ...]) -> Any:
+    """With several processes, a sharding that puts a value whole on every device of the
+    batch's mesh (every process then holds the whole row mask); None with one process."""
     if jax.process_count() == 1:
-        return x
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+        return None
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    mesh = Mesh(np.array(jax.devices()), ("hookax_all",))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, PartitionSpec()))
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return NamedSharding(sharding.mesh, PartitionSpec())
+    raise HookaxError(
+        f"hx.harvest: with {jax.process_count()} JAX processes every batch must hold global "
+        "jax.Arrays with a NamedSharding (the mesh the step runs on), got "
+        f"{[type(x).__name__ for x in jax.tree.leaves(args)]}. Fix: build each batch with "
+        "jax.make_array_from_process_local_data(NamedSharding(mesh, P('data')), local_rows)."
+    )
 
 
 class Step:
@@ -84,9 +93,16 @@ class Step:
     """
 
     def __init__(
-        self, fn: Any, selector: Any, dtype: Any, mask: Callable[..., Any] | None, row_axes: int
+        self,
+        fn: Any,
+        selector: Any,
+        dtype: Any,
+        mask: Callable[..., Any] | None,
+        row_axes: int,
+        first: tuple[Any, ...],
     ) -> None:
         self.origin: dict[str, tuple[str, int, str]] = {}
+        whole = replication(first)
 
         def body(f: Any, *args: Any) -> tuple[dict[str, Any], Any]:
             _, acts = capture_with(f, selector)(*args)
@@ -97,7 +113,7 @@ class Step:
             first = next(iter(values.values()), None)
             rows = () if first is None else tuple(first.shape[:row_axes])
             m = jnp.ones(rows, bool) if mask is None else jnp.asarray(mask(*args), bool)
-            return values, replicated(m)
+            return values, m if whole is None else jax.lax.with_sharding_constraint(m, whole)
 
         if _is_nnx_module(fn):
             from flax import nnx

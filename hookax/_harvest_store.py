@@ -107,7 +107,9 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         o, n = oa.get(name), na.get(name)
         if o == n:
             continue
-        show = lambda a: "absent" if a is None else f"{a['dtype']}[rows,{','.join(map(str, a['shape']))}]"  # noqa: E731
+        show = lambda a: (
+            "absent" if a is None else f"{a['dtype']}[rows,{','.join(map(str, a['shape']))}]"
+        )  # noqa: E731
         out.append(f"array {name!r}: store has {show(o)}, this run {show(n)}")
     return out
 

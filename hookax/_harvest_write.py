@@ -36,7 +36,12 @@ def start_transfers(values: dict[str, Any], mask: Any) -> None:
     for v in values.values():
         for s in _owned_shards(v):
             s.data.copy_to_host_async()
-    mask.addressable_shards[0].data.copy_to_host_async()
+    _mask_array(mask).copy_to_host_async()
+
+
+def _mask_array(mask: Any) -> Any:
+    """The whole mask on this host: it is replicated when there are several processes."""
+    return mask if mask.is_fully_addressable else mask.addressable_shards[0].data
 
 
 def _runs(dest: np.ndarray) -> list[tuple[int, int]]:
@@ -141,7 +146,7 @@ class Writer:
         self.busy += time.perf_counter() - t0
 
     def _write(self, index: int, values: dict[str, Any], mask: Any) -> None:
-        m = np.asarray(mask.addressable_shards[0].data)
+        m = np.asarray(_mask_array(mask))
         flat = m.reshape(-1)
         n = int(flat.sum())
         pos = self.rows + np.cumsum(flat) - 1
