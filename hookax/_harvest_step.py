@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ._capture import capture_with
 from ._errors import HookaxError
@@ -125,12 +124,37 @@ class Step:
             self._run = jax.jit(lambda *args: body(fn, *args))
             self._shapes = lambda *args: jax.eval_shape(self._run, *args)
 
+    @classmethod
+    def cached(
+        cls,
+        fn: Any,
+        selector: Any,
+        dtype: Any,
+        mask: Callable[..., Any] | None,
+        row_axes: int,
+        first: tuple[Any, ...],
+    ) -> Step:
+        """The step of an earlier run with the same arguments (its compilations kept), or a
+        new one. Objects are compared by identity, and kept alive by the cache."""
+        key = (id(fn), selector, str(dtype), id(mask), row_axes, replication(first))
+        hit = _CACHE.get(key)
+        if hit is not None and hit[0] is fn and hit[1] is mask:
+            return hit[2]
+        step = cls(fn, selector, dtype, mask, row_axes, first)
+        _CACHE[key] = (fn, mask, step)
+        while len(_CACHE) > 4:
+            del _CACHE[next(iter(_CACHE))]
+        return step
+
     def __call__(self, *args: Any) -> tuple[dict[str, Any], Any]:
         return self._run(*args)
 
     def shapes(self, *args: Any) -> tuple[dict[str, Any], Any]:
         """Abstract outputs (shapes and dtypes) for these arguments; computes nothing."""
         return self._shapes(*args)
+
+
+_CACHE: dict[Any, tuple[Any, Any, Step]] = {}
 
 
 def _is_nnx_module(fn: Any) -> bool:
@@ -140,8 +164,11 @@ def _is_nnx_module(fn: Any) -> bool:
     return nnx is not None and isinstance(fn, nnx.Module)
 
 
-def leaf_specs(step: Step, args: tuple[Any, ...], row_axes: int, masked: bool) -> list[Leaf]:
-    """The stored arrays of ``step`` on ``args`` (computed abstractly); checks the row axes."""
+def leaf_specs(
+    step: Step, args: tuple[Any, ...], row_axes: int, masked: bool
+) -> tuple[list[Leaf], tuple[int, ...]]:
+    """The stored arrays of ``step`` on ``args`` and the batch's row shape (computed
+    abstractly); checks that every value leads with the row axes."""
     values, m = step.shapes(*args)
     leaves: list[Leaf] = []
     rows = tuple(m.shape)
@@ -162,4 +189,4 @@ def leaf_specs(step: Step, args: tuple[Any, ...], row_axes: int, masked: bool) -
             )
         key, call, part = step.origin[name]
         leaves.append(Leaf(name, key, call, part, tuple(v.shape[row_axes:]), str(v.dtype)))
-    return leaves
+    return leaves, rows

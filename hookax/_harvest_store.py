@@ -42,7 +42,7 @@ __all__ = ["FORMAT", "Store", "import_tensorstore"]
 
 FORMAT = "hookax.harvest/1"
 META = "hookax.json"
-CHUNK_BYTES = 4 << 20
+CHUNK_BYTES = 16 << 20  # the most bytes of one chunk
 
 
 def import_tensorstore() -> Any:
@@ -87,14 +87,19 @@ def describe(
     }
 
 
-def _write_json(path: Path, obj: Any) -> None:
-    """Atomically replace ``path`` with ``obj`` as JSON (temporary file, fsync, rename)."""
+def _write_json(path: Path, obj: Any, fsync: bool = True) -> None:
+    """Atomically replace ``path`` with ``obj`` as JSON (temporary file, [fsync,] rename)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _show(a: dict[str, Any] | None) -> str:
+    return "absent" if a is None else f"{a['dtype']}[rows,{','.join(map(str, a['shape']))}]"
 
 
 def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -107,30 +112,31 @@ def _differences(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
         o, n = oa.get(name), na.get(name)
         if o == n:
             continue
-        show = lambda a: (
-            "absent" if a is None else f"{a['dtype']}[rows,{','.join(map(str, a['shape']))}]"
-        )  # noqa: E731
-        out.append(f"array {name!r}: store has {show(o)}, this run {show(n)}")
+        out.append(f"array {name!r}: store has {_show(o)}, this run {_show(n)}")
     return out
 
 
 class Store:
     """An open store: its description, its arrays, and the commit state of this process."""
 
-    def __init__(self, path: Path, meta: dict[str, Any], process: int) -> None:
-        self.path, self.meta, self.process = path, meta, process
+    def __init__(self, path: Path, meta: dict[str, Any], process: int, fsync: bool = False) -> None:
+        self.path, self.meta, self.process, self.fsync = path, meta, process, fsync
         ts = import_tensorstore()
         self._ts = ts
-        self.context = ts.Context()
+        self.context = ts.Context({"file_io_sync": fsync})
         self.arrays: dict[str, Any] = {}
 
     # -- creation and validation -------------------------------------------------------------
 
     @staticmethod
-    def prepare(path: Path, desc: dict[str, Any], *, overwrite: bool, create: bool) -> None:
+    def prepare(
+        path: Path, desc: dict[str, Any], *, overwrite: bool, create: bool, batch_rows: int = 1
+    ) -> None:
         """Make ``path`` hold a store described by ``desc``: create it, or check the one there.
 
-        ``create`` is true in the one process that may create (process 0).
+        ``create`` is true in the one process that may create (process 0). A new store's chunks
+        hold ``batch_rows`` rows (one batch's, when it is not masked: each batch then writes
+        whole chunks), fewer where that passes ``CHUNK_BYTES``.
         """
         meta_file = path / META
         if path.exists() and overwrite and create:
@@ -161,11 +167,11 @@ class Store:
             shutil.rmtree(path)
         path.mkdir(parents=True)
         (path / ".hookax-harvest").touch()
-        Store._create_arrays(path, desc)
+        Store._create_arrays(path, desc, batch_rows)
         _write_json(meta_file, {**desc, "batches": 0, "rows": 0, "complete": False})
 
     @staticmethod
-    def _create_arrays(path: Path, desc: dict[str, Any]) -> None:
+    def _create_arrays(path: Path, desc: dict[str, Any], batch_rows: int) -> None:
         import numpy as np
 
         ts = import_tensorstore()
@@ -176,11 +182,11 @@ class Store:
         specs += [("_source", "int64", [1 + row_axes]), ("_batch_end", "int64", None)]
         for d, dtype, shape in specs:
             if shape is None:  # one entry per batch
-                full, chunk = [0], [1 << 16]
+                full, chunk = [0], [1024]
             else:
                 row_bytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
-                full, chunk = [0, *shape], [max(1, CHUNK_BYTES // row_bytes), *shape]
-                chunk = [max(1, c) for c in chunk]
+                rows = max(1, min(batch_rows, CHUNK_BYTES // row_bytes))
+                full, chunk = [0, *shape], [rows, *[max(1, d) for d in shape]]
             futures.append(
                 ts.open(
                     _spec(path / d),
@@ -230,7 +236,7 @@ class Store:
     def commit(self, batches: int) -> None:
         prog = self.path / "progress"
         prog.mkdir(exist_ok=True)
-        _write_json(prog / f"{self.process}.json", {"batches": batches})
+        _write_json(prog / f"{self.process}.json", {"batches": batches}, self.fsync)
 
     def drop_other_progress(self, processes: int) -> None:
         """Remove progress files of processes that this run does not have."""
@@ -241,11 +247,11 @@ class Store:
     # -- growth and the end of a run ----------------------------------------------------------
 
     def grow(self, name: str, rows: int) -> Any:
-        """The array ``name`` with room for ``rows`` rows (never shrinks: another process may
-        already have written further)."""
+        """The array ``name`` with room for ``rows`` rows. It at least doubles
+        (few metadata writes) and never shrinks: another process may have written further."""
         arr = self.arrays[name]
-        while arr.domain.exclusive_max[0] < rows:
-            upper = [rows] + [None] * (arr.rank - 1)
+        while (size := arr.domain.exclusive_max[0]) < rows:
+            upper = [max(rows, 2 * size)] + [None] * (arr.rank - 1)
             try:
                 arr = arr.resize(exclusive_max=upper, expand_only=True).result()
             except ValueError:  # another process grew it further: reopen to see its size

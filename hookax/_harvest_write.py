@@ -14,6 +14,7 @@ consecutive positions, so a value sharded over devices and processes is never ga
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -50,7 +51,7 @@ def _runs(dest: np.ndarray) -> list[tuple[int, int]]:
         return []
     cuts = np.flatnonzero(np.diff(dest) != 1) + 1
     bounds = [0, *cuts.tolist(), dest.size]
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise(bounds))
 
 
 class Writer:
