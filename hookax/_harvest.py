@@ -186,7 +186,6 @@ def harvest(
     from ._harvest_step import Step, as_args, leaf_specs
     from ._harvest_store import Store, describe, import_tensorstore
     from ._harvest_write import Writer, start_transfers
-    from ._select import CALL_ONLY, as_selector
 
     import_tensorstore()
     if row_axes < 1:
@@ -196,7 +195,7 @@ def harvest(
     first = next(it, None)
     if first is None:
         raise HookaxError("hx.harvest: batches is empty: there is nothing to harvest.")
-    step = Step.cached(fn, as_selector(where, CALL_ONLY), dtype, mask, row_axes, as_args(first))
+    step = Step.cached(fn, where, dtype, mask, row_axes, as_args(first))
     leaves, rows_shape = leaf_specs(step, as_args(first), row_axes, mask is not None)
     if not leaves:
         raise HookaxError(

@@ -1,10 +1,10 @@
 """The device side of ``hx.harvest``: one jitted step per batch, and the arrays it produces.
 
-The step runs ``hx.capture`` under jit, casts floating outputs to the store's dtype on the device
-(so ``bfloat16`` also halves the bytes moved to the host), flattens every captured output into
-named leaves (one stored array each) and computes the batch's row mask. An NNX module is passed
-to ``nnx.jit`` as an argument (its parameters are not baked into the program); any other function
-is jitted with ``jax.jit``, closing over the modules it calls.
+The step runs ``hx.capture`` (its public form) under jit, casts floating outputs to the store's
+dtype on the device (so ``bfloat16`` also halves the bytes moved to the host), flattens every
+captured output into named leaves (one stored array each) and computes the batch's row mask. An
+NNX module is passed to ``nnx.jit`` as an argument (its parameters are not baked into the
+program); any other function is jitted with ``jax.jit``, closing over the modules it calls.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._capture import capture_with
+from ._capture import capture
 from ._errors import HookaxError
 
 __all__ = ["Leaf", "Step", "as_args", "leaf_specs", "replication"]
@@ -94,7 +94,7 @@ class Step:
     def __init__(
         self,
         fn: Any,
-        selector: Any,
+        where: Any,
         dtype: Any,
         mask: Callable[..., Any] | None,
         row_axes: int,
@@ -104,7 +104,7 @@ class Step:
         whole = replication(first)
 
         def body(f: Any, *args: Any) -> tuple[dict[str, Any], Any]:
-            _, acts = capture_with(f, selector)(*args)
+            _, acts = capture(f, where=where)(*args)
             values = {}
             for name, key, call, part, v in _leaves(acts):
                 self.origin[name] = (key, call, part)
@@ -128,7 +128,7 @@ class Step:
     def cached(
         cls,
         fn: Any,
-        selector: Any,
+        where: Any,
         dtype: Any,
         mask: Callable[..., Any] | None,
         row_axes: int,
@@ -136,11 +136,14 @@ class Step:
     ) -> Step:
         """The step of an earlier run with the same arguments (its compilations kept), or a
         new one. Objects are compared by identity, and kept alive by the cache."""
+        from ._select import CALL_ONLY, as_selector
+
+        selector = as_selector(where, CALL_ONLY)  # compares by value
         key = (id(fn), selector, str(dtype), id(mask), row_axes, replication(first))
         hit = _CACHE.get(key)
         if hit is not None and hit[0] is fn and hit[1] is mask:
             return hit[2]
-        step = cls(fn, selector, dtype, mask, row_axes, first)
+        step = cls(fn, where, dtype, mask, row_axes, first)
         _CACHE[key] = (fn, mask, step)
         while len(_CACHE) > 4:
             del _CACHE[next(iter(_CACHE))]

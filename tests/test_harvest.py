@@ -199,3 +199,24 @@ def test_sharded_values_written_shard_by_shard(tmp_path):
     for name in h.names:
         want = captured(model, data, name, row_axes=2, mask=w.pad_mask)
         np.testing.assert_array_equal(h.read(name), want)
+
+
+def test_cli_harvest(capsys, tmp_path):
+    from hookax._cli import main
+
+    argv = ["harvest", "--example", "mlp", "--where", "layers/*", "--batches", "3"]
+    code = main([*argv, "--dtype", "bf16", "--out", str(tmp_path / "s"), "--no-progress"])
+    out, err = capsys.readouterr()
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[:3] == [
+        "layers/0  bfloat16[24,256]",
+        "layers/1  bfloat16[24,128]",
+        "layers/2  bfloat16[24,10]",
+    ]
+    assert lines[3].startswith(f"wrote {tmp_path / 's'}: 3 batches, 24 rows, ")
+    meta = json.loads((tmp_path / "s" / "hookax.json").read_text())
+    assert meta["metadata"] == {"cli": {"input": ["f32[8,784]"], "seed": 0}}
+    code = main([*argv[:-1], "0", "--out", str(tmp_path / "t")])
+    assert code == 2
+    assert capsys.readouterr().err == "hookax: error: --batches takes an integer >= 1, got 0\n"
