@@ -4,6 +4,8 @@ An NNX MLP (``DEPTH`` layers of width ``WIDTH``, batches of ``BATCH`` rows); har
 layer's output (float32) to a fresh store in a temporary folder. Three runs over the same batches:
 
 * ``forward``: ``nnx.jit`` of the model, every batch dispatched, the last one waited for;
+* ``capture + host copy``: the same with ``hx.capture`` of every layer and the values copied to
+  the host (what harvest computes and moves, without the disk);
 * ``harvest, overlap off``: each batch written before the next is computed (``overlap=False``);
 * ``harvest, overlap on``: the writer thread writes while the next batches compute.
 
@@ -61,6 +63,18 @@ def _forward(model: Any, batches: list[Any]) -> float:
     return time.perf_counter() - t0
 
 
+def _capture(model: Any, batches: list[Any]) -> float:
+    step = _capture.step  # type: ignore[attr-defined]
+    t0 = time.perf_counter()
+    for x in batches:
+        _, acts = step(model, x)
+        for (v,) in acts.values():
+            v.copy_to_host_async()
+        for (v,) in acts.values():
+            np.asarray(v)
+    return time.perf_counter() - t0
+
+
 def _harvest(model: Any, batches: list[Any], root: str, overlap: bool) -> tuple[float, int]:
     store = os.path.join(root, f"acts-{overlap}")
     shutil.rmtree(store, ignore_errors=True)
@@ -76,13 +90,15 @@ def main() -> None:
         jax.device_put(rng.normal(size=(BATCH, WIDTH)).astype(np.float32)) for _ in range(BATCHES)
     ]
     _forward.step = nnx.jit(lambda m, x: m(x))  # type: ignore[attr-defined]
+    capture = nnx.jit(lambda m, x: hx.capture(m, where=Layer)(x))
+    _capture.step = capture  # type: ignore[attr-defined]
     root = tempfile.mkdtemp(prefix="hookax-bench-", dir=os.environ.get("HARVEST_DIR"))
-    names = ("forward", "harvest, overlap off", "harvest, overlap on")
+    names = ("forward", "capture + host copy", "harvest, overlap off", "harvest, overlap on")
     times: dict[str, list[float]] = {n: [] for n in names}
     written = 0
     try:
         for r in range(ROUNDS + 1):  # round 0 warms up (compiles); not counted
-            t = [_forward(model, batches)]
+            t = [_forward(model, batches), _capture(model, batches)]
             for overlap in (False, True):
                 seconds, written = _harvest(model, batches, root, overlap)
                 t.append(seconds)
@@ -96,7 +112,7 @@ def main() -> None:
     out = []
     for n in names:
         s = statistics.median(times[n])
-        mbs = "" if n == "forward" else f"{written / 1e6 / s:.0f}"
+        mbs = f"{written / 1e6 / s:.0f}" if n.startswith("harvest") else ""
         out.append((n, f"{rows / s:,.0f}", mbs, f"{base / s:.2f}"))
     print(
         f"{DEPTH}-layer MLP, width {WIDTH}, {BATCHES} batches of {BATCH} rows; every layer's "
