@@ -32,10 +32,14 @@ def _collect(frame: _context.Frame, fn: Callable[..., Any]) -> dict[str, list[Re
     entries = _active.value
     if entries:
         ctx = frame.context  # built once per call site by the dispatcher
+        tracking = _context.trackers()
         for e in entries:
             if e.kind != "hooks" or not e.fn:
                 continue
-            if e.selector.matches(ctx):
+            hit = e.selector.matches(ctx)
+            if tracking:
+                _context.note_match(e, ctx, hit)
+            if hit:
                 for r in e.fn:
                     found.setdefault(r.kind, []).append(r)
     hs = vars(module).get(_hooks.ATTR)

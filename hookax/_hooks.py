@@ -23,7 +23,7 @@ from . import frameworks as _frameworks
 from ._errors import HookaxError, SelectorError
 from ._fnkey import FnKey
 from ._hookcheck import check_arity
-from ._intercept import Entry, scoped
+from ._intercept import Entry, tracked
 from ._select import CALL_ONLY, as_selector
 
 __all__ = [
@@ -390,4 +390,5 @@ def hooks(
         kw = with_kwargs and kind in ("forward_pre", "forward")
         check_arity(fn, kind, kw, "hooks", f"the call sites where={where!r} selects")
         records.append(HookRecord(kind, fn, with_kwargs=kw))
-    return scoped(Entry("hooks", tuple(records), as_selector(where, CALL_ONLY)))
+    entry = Entry("hooks", tuple(records), as_selector(where, CALL_ONLY))
+    return tracked(entry, "hx.hooks", where)

@@ -365,7 +365,7 @@ def check_matched(who: str, where: Any, selector: Selector, session: Any) -> Non
     """Raise :class:`SelectorError` when ``where=`` selected nothing that ran, or a glob matched
     nothing, naming the nearest call sites that did run."""
     seen = sorted(session.seen)
-    if not session.matched and not session.records:
+    if not session.matched and not getattr(session, "records", None):
         if not seen:
             if where is None:
                 raise SelectorError(

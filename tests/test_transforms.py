@@ -426,3 +426,24 @@ def test_where_module_instance_and_list_of_classes() -> None:
         assert list(acts) == ["blocks/1"]
         _, acts = hx.capture(f, where=[nnx.Embed, nnx.Linear])(m, t, cache)
         assert list(acts) == ["embed", "blocks/0", "blocks/1", "out"]
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_intercept_and_hooks_where_matching_nothing_raise(jit: bool) -> None:
+    m = Decoder(nnx.Rngs(0))
+    cache = {f"k{i}": jnp.zeros((1, 3, D)) for i in range(2)}
+    t = jnp.zeros((1, 3), jnp.int32)
+    f = jax.jit(lambda m, t, c: m(t, c)) if jit else (lambda m, t, c: m(t, c))
+
+    def ident(next_fun: Any, args: Any, kwargs: Any, ctx: Any) -> Any:
+        return next_fun(*args, **kwargs)
+
+    with pytest.raises(hx.SelectorError, match=r"hx.intercept\(where='blockz/\*'\).*'blocks/"):
+        with hx.intercept(ident, where="blockz/*"):
+            f(m, t, cache)
+    with pytest.raises(hx.SelectorError, match=r"hx.hooks\(where=.*matched no call site"):
+        with hx.hooks(where=nnx.Conv, forward=lambda mod, a, out: None):
+            f(m, t, cache)
+    with hx.intercept(ident, where="blocks/*"):  # matches: no error
+        f(m, t, cache)
+    assert_clean()
