@@ -438,11 +438,13 @@ def test_intercept_and_hooks_where_matching_nothing_raise(jit: bool) -> None:
     def ident(next_fun: Any, args: Any, kwargs: Any, ctx: Any) -> Any:
         return next_fun(*args, **kwargs)
 
+    bad_intercept = hx.intercept(ident, where="blockz/*")
     with pytest.raises(hx.SelectorError, match=r"hx.intercept\(where='blockz/\*'\).*'blocks/"):
-        with hx.intercept(ident, where="blockz/*"):
+        with bad_intercept:  # noqa: SIM117 - the error is raised when the block ends
             f(m, t, cache)
+    bad_hooks = hx.hooks(where=nnx.Conv, forward=lambda mod, a, out: None)
     with pytest.raises(hx.SelectorError, match=r"hx.hooks\(where=.*matched no call site"):
-        with hx.hooks(where=nnx.Conv, forward=lambda mod, a, out: None):
+        with bad_hooks:  # noqa: SIM117
             f(m, t, cache)
     with hx.intercept(ident, where="blocks/*"):  # matches: no error
         f(m, t, cache)
