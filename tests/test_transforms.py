@@ -439,13 +439,15 @@ def test_intercept_and_hooks_where_matching_nothing_raise(jit: bool) -> None:
         return next_fun(*args, **kwargs)
 
     bad_intercept = hx.intercept(ident, where="blockz/*")
-    with pytest.raises(hx.SelectorError, match=r"hx.intercept\(where='blockz/\*'\).*'blocks/"):
-        with bad_intercept:  # noqa: SIM117 - the error is raised when the block ends
-            f(m, t, cache)
+    match = r"hx.intercept\(where='blockz/\*'\).*'blocks/"
+    with pytest.raises(hx.SelectorError, match=match), bad_intercept:  # raised as it ends
+        f(m, t, cache)
     bad_hooks = hx.hooks(where=nnx.Conv, forward=lambda mod, a, out: None)
-    with pytest.raises(hx.SelectorError, match=r"hx.hooks\(where=.*matched no call site"):
-        with bad_hooks:  # noqa: SIM117
-            f(m, t, cache)
+    with (
+        pytest.raises(hx.SelectorError, match=r"hx.hooks\(where=.*matched no call site"),
+        bad_hooks,
+    ):
+        f(m, t, cache)
     with hx.intercept(ident, where="blocks/*"):  # matches: no error
         f(m, t, cache)
     assert_clean()
