@@ -98,20 +98,17 @@ def _in_avals(closed: Any) -> list[Any]:
     return [v.aval for v in closed.invars]
 
 
-# (id(jaxpr), sid, who, mode, probe signature) -> result; holds the jaxpr so ids are not reused.
-_CACHE: dict[tuple, tuple[Any, Any]] = {}
-_CACHE_MAX = 512
+# jaxpr -> {(sid, who, mode): rewritten}: held only while the jaxpr lives (JAX's own caches hold
+# the jaxprs of jitted functions), so a function called in capture again reuses its rewrite and
+# its compiled program, and nothing here keeps a dropped function's constants alive.
+_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()
 
 
 def _cached(key: tuple, jaxpr: Any, make: Callable[[], Any]) -> Any:
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0] is jaxpr:
-        return hit[1]
-    value = make()
-    if len(_CACHE) >= _CACHE_MAX:
-        _CACHE.pop(next(iter(_CACHE)))
-    _CACHE[key] = (jaxpr, value)
-    return value
+    per = _CACHE.setdefault(jaxpr, {})
+    if key not in per:
+        per[key] = make()
+    return per[key]
 
 
 def reap_jaxpr(closed: Any, session: Session) -> tuple[core.ClosedJaxpr, tuple[Meta, ...]]:
@@ -133,7 +130,7 @@ def reap_jaxpr(closed: Any, session: Session) -> tuple[core.ClosedJaxpr, tuple[M
         new = _trace(body, _in_avals(closed))
         return new, tuple(metas)
 
-    return _cached((id(closed), session.sid, session.who, "reap"), closed, make)
+    return _cached((session.sid, session.who, "reap"), closed, make)
 
 
 def _probe_avals(metas: tuple[Meta, ...]) -> list[list[Any]]:
@@ -171,7 +168,7 @@ def plant_jaxpr(closed: Any, session: Session, metas: tuple[Meta, ...]) -> core.
 
         return _trace(body, [*_in_avals(closed), *_flat(like)])
 
-    return _cached((id(closed), session.sid, session.who, "plant"), closed, make)
+    return _cached((session.sid, session.who, "plant", len(metas)), closed, make)
 
 
 def deliver(session: Session, metas: tuple[Meta, ...], values: list[Any], axis: Any) -> None:
