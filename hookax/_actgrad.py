@@ -1,13 +1,14 @@
 """``hx.value_and_grad``: gradients of the loss with respect to call-site outputs, no model edits.
 
-The mechanism is NNX's ``perturb`` without the model edits and without activation-sized inputs:
+The mechanism is NNX's ``perturb`` without the model edits, through every transform:
 
-1. the selected call sites and their output shapes are found abstractly (``hx.capture`` under
-   ``eval_shape``: trace time only);
-2. zeros of those shapes are created inside the traced computation and passed as one more
-   argument to the framework's ``value_and_grad``;
-3. while differentiating, an interceptor adds the zeros to each selected output (``x + 0``, which
-   XLA folds away), so the gradient with respect to the zeros is d loss / d output.
+1. the selected call sites' records (key, output structure, shapes, stacked as capture stacks
+   them) are found abstractly: a capture session (``_tags``, *reap*) under ``eval_shape``;
+2. zero probes of those shapes are passed as one more argument to the framework's
+   ``value_and_grad``;
+3. while differentiating, a *plant* session adds each probe to its marked output (``x + 0``,
+   folded by XLA), threading probes into scans, jits, conds and remats as extra inputs
+   (``_tagrules``), so the gradient with respect to a probe is d loss / d output.
 """
 
 from __future__ import annotations
@@ -120,9 +121,12 @@ def value_and_grad(
     edits: costs at most what NNX's ``perturb`` costs, in time and memory
     (``benchmarks/bench_capture.py``).
 
-    Works eagerly and under ``jax.jit``/``nnx.jit``; the active selection is part of the jit cache
-    key. Call sites inside a transform that maps or scans them (``nnx.vmap``, ``nnx.scan``) within
-    ``fn`` are not supported and raise :class:`hx.HookaxError`; exclude them with ``where=``.
+    Works wherever :func:`hookax.capture` does, and the gradients are laid out like its values:
+    inside ``nnx.scan``/``lax.scan`` stacked on the scan axis, inside ``vmap`` with the batch
+    axis in front, inside ``jax.jit`` with the model as an argument; the active selection is part
+    of the jit cache key. Call sites whose derivative JAX cannot give (inside ``while_loop``, a
+    ``custom_jvp``/``custom_vjp`` function, or a ``shard_map`` body) raise
+    :class:`hx.HookaxError` naming the call site; exclude them with ``where=``.
 
     Args:
       fn: the loss function; returns a scalar, or ``(scalar, aux)`` with ``has_aux=True``.
