@@ -265,8 +265,14 @@ class HarvestTrace(core.Trace):
                 return self.session.on_tag(list(args), params["key"], params["spec"])
         from . import _tagrules
 
-        rule = _tagrules.RULES.get(prim)
-        if rule is not None and _tagrules.has_marks(prim, params, self.session.sid):
+        if _tagrules.has_marks(prim, params, self.session.sid):
+            rule = _tagrules.RULES.get(prim)
+            if rule is None:
+                raise HookaxError(
+                    f"{self.session.who}: a selected call site runs inside a `{prim.name}` "
+                    f"primitive, which hookax cannot carry values out of. Exclude the call sites "
+                    f"inside it with where=, or call {self.session.who} inside that transform."
+                )
             return rule(self, args, params)
         return self.forward(prim, args, params)
 
