@@ -37,7 +37,7 @@ def _collect(frame: _context.Frame, fn: Callable[..., Any]) -> dict[str, list[Re
             if e.kind != "hooks" or not e.fn:
                 continue
             hit = e.selector.matches(ctx)
-            if tracking:
+            if tracking and ctx is not None:
                 _context.note_match(e, ctx, hit)
             if hit:
                 for r in e.fn:
