@@ -63,6 +63,17 @@ class HookRecord:
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", FnKey(self.fn))
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The key (code objects) does not pickle: rebuild it. A copy gets a new token, so a
+        # handle removes its hooks from the modules it was registered on only, as in PyTorch.
+        options = (self.methods, self.with_kwargs, self.always_call, self.prepend)
+        return (_restore, (self.kind, self.fn, *options))
+
+
+def _restore(kind: str, fn: Any, *options: Any) -> HookRecord:
+    """A :class:`HookRecord` from a pickle or a deepcopy, with a token of its own."""
+    return HookRecord(kind, fn, *options, token=next(_TOKENS))
+
 
 class HookSet:
     """The immutable, hashable hooks of one module, kept in run order.
@@ -107,11 +118,41 @@ def hook_set(module: Any) -> HookSet | None:
 
 
 def _store(module: Any, hs: HookSet | None) -> None:
-    if hs is not None:
-        setattr(module, ATTR, hs)
+    if hs is None:
+        if ATTR in vars(module):
+            delattr(module, ATTR)
     elif ATTR in vars(module):
-        delattr(module, ATTR)
+        # Replacing the set. Not through NNX's __setattr__: a hook may remove a hook while a
+        # transform traces the module (e.g. under nnx.jit), where NNX refuses to mutate the
+        # module from a different trace level; the attribute is static and already declared.
+        object.__setattr__(module, ATTR, hs)
+    else:
+        setattr(module, ATTR, hs)
     _context.track_hooked(module, hs is not None)
+
+
+def _drop(module: Any, token: int) -> None:
+    hs = hook_set(module)
+    if hs is not None and any(r.token == token for r in hs.records):
+        _store(module, hs.without(token))
+
+
+def _copies_in_call(token: int) -> None:
+    """Drop ``token``'s hooks from the modules of the calls in progress on this thread.
+
+    Inside a transform (``nnx.jit``, ``jax.jit`` over modules...) a hook runs on a copy of the
+    module rebuilt from its graphdef, which ``nnx.jit`` writes back when the call returns: the
+    hook removed from the original only would come back, and would still run in this call.
+    """
+    stack = _context.call_stack()
+    seen: set[int] = set()
+    for frame in stack:
+        if id(frame.module) in seen or getattr(frame.adapter, "name", None) != "nnx":
+            continue
+        for _, m in frame.adapter.iter_modules(frame.module):
+            if id(m) not in seen:
+                seen.add(id(m))
+                _drop(m, token)
 
 
 class HookHandle:
@@ -129,9 +170,10 @@ class HookHandle:
         refs, self._modules = self._modules, []
         for ref in refs:
             module = ref()
-            hs = hook_set(module) if module is not None else None
-            if hs is not None:
-                _store(module, hs.without(self.id))
+            if module is not None:
+                _drop(module, self.id)
+        if refs and _context.call_stack():
+            _copies_in_call(self.id)
 
     def __enter__(self) -> HookHandle:
         return self
