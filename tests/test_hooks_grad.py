@@ -198,7 +198,8 @@ def test_backward_hook_errors_are_pinned(mode):
         hx.HookError,
         match=re.escape("backward pre-hook test_backward_hook_errors_are_pinned.<locals>.<lambda>")
         + r"'s grad_output \(entry 0\) at call site 'layers/1' \(Linear.__call__\) has the "
-        r"wrong shape or dtype at the value: expected float32\[2,1\], got float32\[1,1\]. Fix: return None",
+        r"wrong shape or dtype at the value: expected float32\[2,1\], got float32\[1,1\]. "
+        r"Fix: return None",
     ):
         run()
     h.remove()
