@@ -70,9 +70,16 @@ class HookRecord:
         return (_restore, (self.kind, self.fn, *options))
 
 
-def _restore(kind: str, fn: Any, *options: Any) -> HookRecord:
+def _restore(
+    kind: str,
+    fn: Any,
+    methods: tuple[str, ...],
+    with_kwargs: bool,
+    always_call: bool,
+    prepend: bool,
+) -> HookRecord:
     """A :class:`HookRecord` from a pickle or a deepcopy, with a token of its own."""
-    return HookRecord(kind, fn, *options, token=next(_TOKENS))
+    return HookRecord(kind, fn, methods, with_kwargs, always_call, prepend, next(_TOKENS))
 
 
 class HookSet:
