@@ -408,11 +408,13 @@ def hooks(
     backward_pre: Callable[..., Any] | None = None,
     backward: Callable[..., Any] | None = None,
     with_kwargs: bool = False,
+    always_call: bool = False,
 ) -> contextlib.AbstractContextManager[None]:
     """Hooks on every selected call site, for a ``with`` block on this thread.
 
     Same signatures and semantics as the ``register_*`` functions (``forward_pre`` and
-    ``forward`` get keyword arguments when ``with_kwargs=True``). At each call site scoped hooks
+    ``forward`` get keyword arguments when ``with_kwargs=True``; ``forward`` also runs when a
+    pre-hook or the method raised when ``always_call=True``). At each call site scoped hooks
     run before the module's own hooks of the same kind, as PyTorch's global module hooks do;
     nested blocks run outermost first. Cache-correct under jit like :func:`~hookax.intercept`:
     pass the same hook objects to hit the caches.
@@ -438,5 +440,6 @@ def hooks(
             )
         kw = with_kwargs and kind in ("forward_pre", "forward")
         check_arity(fn, kind, kw, "hooks", f"the call sites where={where!r} selects")
-        records.append(HookRecord(kind, fn, with_kwargs=kw))
+        always = always_call and kind == "forward"
+        records.append(HookRecord(kind, fn, with_kwargs=kw, always_call=always))
     return scoped(Entry("hooks", tuple(records), as_selector(where, CALL_ONLY)))
