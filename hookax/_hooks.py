@@ -324,16 +324,17 @@ def register_forward_hook(
     """Run ``hook`` after each call of ``module`` (PyTorch's ``register_forward_hook``).
 
     ``hook(module, args, output) -> None | new_output``; with ``with_kwargs=True``:
-    ``hook(module, args, kwargs, output)``. A new output must have the output's tree structure,
-    shapes and dtypes. With ``always_call=True`` the hook also runs, with ``output=None``, when the
-    method raised; the original exception then propagates.
+    ``hook(module, args, kwargs, output)``. A new output may have another structure or shape, as
+    in PyTorch. The forward hooks of a call are read after the method returns. With
+    ``always_call=True`` the hook also runs, with ``output=None``, when a pre-hook or the method
+    raised; the original exception then propagates.
 
     Args:
       module: the NNX module to hook.
       hook: the hook.
       where: hook every submodule of ``module`` that matches instead.
       with_kwargs: pass the keyword arguments too.
-      always_call: also run when the method (or a hook after it) raised.
+      always_call: also run when a pre-hook, the method or a forward hook raised.
       prepend: run before the hooks already registered.
 
     Returns:
@@ -361,16 +362,19 @@ def register_full_backward_pre_hook(
 ) -> HookHandle:
     """Run ``hook`` when JAX computes the gradient of ``module``'s output.
 
-    ``hook(module, grad_output) -> None | new_grad_output``; ``grad_output`` has the output's
-    tree (None for a non-float leaf). A replacement is the gradient that flows on. The hook runs
-    while JAX differentiates (``jax.grad``, ``nnx.grad``, ``jax.vjp``), so it must be
-    JAX-traceable; print values with ``jax.debug.print``.
+    ``hook(module, grad_output) -> None | new_grad_output``. As in PyTorch, ``grad_output`` is a
+    tuple with one entry per output: an array output gives a 1-tuple, a tuple output its entries,
+    any other pytree output a 1-tuple of the tree; an entry is None where there is no gradient (no
+    float array, or an output that does not reach the loss). A replacement is a tuple like it (a
+    None entry: zero) and is the gradient that flows on. The hook runs while JAX differentiates
+    (``jax.grad``, ``nnx.grad``, ``jax.vjp``), so it must be JAX-traceable; print values with
+    ``jax.debug.print``.
 
     >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
     >>> import hookax as hx
     >>> model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
-    >>> _ = hx.register_full_backward_pre_hook(model, lambda m, g: g * 3)
+    >>> _ = hx.register_full_backward_pre_hook(model, lambda m, g: (g[0] * 3,))
     >>> nnx.grad(lambda m, x: m(x).sum(), argnums=1)(model, jnp.ones((1, 1))) / model.kernel[...]
     Array([[3.]], dtype=float32)
     >>> hx.remove_hooks(model)
@@ -384,11 +388,23 @@ def register_full_backward_hook(
 ) -> HookHandle:
     """Run ``hook`` when JAX computes the gradients of ``module``'s positional inputs.
 
-    ``hook(module, grad_input, grad_output) -> None | new_grad_input``: ``grad_input`` is a tuple,
-    one entry per positional argument (None for an argument with no float arrays);
-    ``grad_output`` has the output's tree. A replacement is the gradient that flows on to the
-    inputs; a None entry in it means a zero gradient (as in PyTorch). JAX-traceable, like
+    ``hook(module, grad_input, grad_output) -> None | new_grad_input``: as in PyTorch,
+    ``grad_input`` is a tuple with one entry per positional argument (None for an argument with
+    no float arrays, or not differentiated) and ``grad_output`` the tuple of
+    :func:`register_full_backward_pre_hook`. A replacement is the gradient that flows on to the
+    inputs; a None entry in it means a zero gradient. When no input is differentiated (the first
+    layer, or gradients of the parameters only) the hook still runs, with ``grad_input`` all
+    None, and must return None (or all None), as in PyTorch. JAX-traceable, like
     :func:`register_full_backward_pre_hook`.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import hookax as hx
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> h = hx.register_full_backward_hook(model, lambda m, gi, go: print(gi, go[0].shape))
+    >>> _ = nnx.grad(lambda m, x: m(x).sum())(model, jnp.ones((3, 2)))  # parameters only
+    (None,) (3, 1)
+    >>> h.remove()
     """
     rec = HookRecord("backward", hook, prepend=prepend)
     return _register(module, rec, where, "register_full_backward_hook")

@@ -914,6 +914,39 @@ def test_hooks_tensor(mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_hook_grad_order(mode):
+    """Difference: two ``Tensor.register_hook`` on one tensor run in registration order; two
+    ``hx.hook_grad`` on one value are nested identities, so the outer (later) one runs first.
+    PyTorch's order: one ``hook_grad`` whose function runs the hooks in turn."""
+    order: list[int] = []
+
+    def grad(*layers: Any) -> Any:
+        def f(x):
+            for fn in layers:
+                x = hx.hook_grad(x, fn)
+            return x.sum()
+
+        return jit(mode, jax.grad(f))(jnp.ones(2))
+
+    h1, h2 = (lambda g: order.append(1)), (lambda g: order.append(2))
+    grad(h1, h2)
+    assert order == [2, 1]
+    order.clear()
+
+    def in_turn(*hooks: Any) -> Any:
+        def fn(g: Any) -> Any:
+            for h in hooks:
+                out = h(g)
+                g = g if out is None else out
+            return g
+
+        return fn
+
+    grad(in_turn(h1, h2))
+    assert order == [1, 2]
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_hooks_cpp(mode):
     bn = nnx.BatchNorm(5, use_bias=False, use_scale=False, use_running_average=True, rngs=None)
     counter = [0]
