@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import hookax as hx
-from hookax import _context
+from hookax import _context, _hooks
 
 MODES = ["eager", "jit"]
 
@@ -513,3 +513,48 @@ def test_hooks_live_on_the_instance_and_removal_restores_it():
     hx.remove_hooks(m)
     assert "_hookax_hooks" not in vars(m) and nnx.graphdef(m) == before
     assert id(m) not in _context.HOOKED  # the idle fast path is back
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_pre_hook_removing_a_forward_hook_stops_it_in_the_same_call(mode):
+    """PyTorch reads the forward hooks after ``forward`` returns; under nnx.jit too."""
+    m = Scale(1.0)
+    log = []
+    fwd = hx.register_forward_hook(m, lambda mod, a, out: log.append("forward"))
+
+    def pre(mod, args):
+        log.append("pre")
+        fwd.remove()
+
+    pre_h = hx.register_forward_pre_hook(m, pre)
+    call(mode, m, X)
+    assert log == ["pre"]
+    pre_h.remove()
+    assert _hooks.hook_set(m) is None
+
+
+def module_level_hook(module: Any, args: Any, out: Any) -> Any:
+    return out * 2
+
+
+def test_modules_with_hooks_pickle_and_deepcopy():
+    """Hooks that pickle are kept; a hook that does not pickle fails as it would in PyTorch."""
+    import copy
+    import pickle
+
+    m = Scale(1.0)
+    h = hx.register_forward_hook(m, module_level_hook)
+    for m2 in (pickle.loads(pickle.dumps(m)), copy.deepcopy(m)):
+        np.testing.assert_array_equal(m2(X), X * 2)
+        assert _hooks.hook_set(m2) == _hooks.hook_set(m)  # equal: the same jit cache entries
+        h.remove()  # the handle removes the original's hook only
+        np.testing.assert_array_equal(m2(X), X * 2)
+        hx.remove_hooks(m2)
+        h = hx.register_forward_hook(m, module_level_hook)
+    h.remove()
+    lam = hx.register_forward_hook(m, lambda mod, a, out: None)
+    np.testing.assert_array_equal(copy.deepcopy(m)(X), X)
+    with pytest.raises((pickle.PicklingError, AttributeError), match="lambda"):
+        pickle.dumps(m)
+    lam.remove()
+    assert pickle.loads(pickle.dumps(m)).k == 1.0

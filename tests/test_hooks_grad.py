@@ -385,3 +385,65 @@ def test_noop_hooks_compile_to_the_same_program():
 
     assert _hlo(fwd_bwd, plain, X) == _hlo(fwd_bwd, hooked, X)
     assert _hlo(lambda m, x: m(x), plain, X) == _hlo(lambda m, x: m(x), hooked, X)
+
+
+class Split(nnx.Module):
+    """Two outputs: ``(x * 2, x * 3)``."""
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return x * 2, x * 3
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_grad_output_is_none_for_an_output_that_does_not_reach_the_loss(mode):
+    """A tuple output gives one entry each; the unused one is None (symbolic zero), as PyTorch."""
+    m = Split()
+    seen = []
+
+    def pre(module, grad_output):
+        seen.append(tuple(None if g is None else g.shape for g in grad_output))
+        return (grad_output[0] * 10, None)
+
+    def post(module, grad_input, grad_output):
+        seen.append((grad_input[0].shape, grad_output[1]))
+
+    hx.register_full_backward_pre_hook(m, pre)
+    hx.register_full_backward_hook(m, post)
+    f = nnx.grad(lambda m, x: m(x)[0].sum(), argnums=1)
+    gx = (nnx.jit(f) if mode == "jit" else f)(m, jnp.ones(3))
+    np.testing.assert_array_equal(gx, [20.0, 20.0, 20.0])
+    assert seen == [((3,), None), ((3,), None)]
+    seen.clear()
+    # No output reaches the loss: no backward hook runs (PyTorch's graph never reaches them).
+    f = nnx.grad(lambda m, x: (m(x), x.sum())[1], argnums=1)
+    np.testing.assert_array_equal((nnx.jit(f) if mode == "jit" else f)(m, jnp.ones(3)), [1.0] * 3)
+    assert seen == []
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_backward_hook_may_return_none_entries_and_a_namedtuple_output_is_a_tuple(mode):
+    import collections
+
+    Pair = collections.namedtuple("Pair", "a b")
+
+    class Named(nnx.Module):
+        def __call__(self, x: jax.Array) -> Any:
+            return Pair(x * 2, {"c": x * 3, "i": jnp.arange(3)})
+
+    m = Named()
+    seen = []
+
+    def pre(module, grad_output):
+        seen.append(jax.tree.map(jnp.shape, grad_output))
+        return (None, {"c": grad_output[1]["c"], "i": None})  # a's gradient cut
+
+    hx.register_full_backward_pre_hook(m, pre)
+
+    def loss(m, x):
+        out = m(x)
+        return out.a.sum() + out.b["c"].sum()
+
+    f = nnx.grad(loss, argnums=1)
+    gx = (nnx.jit(f) if mode == "jit" else f)(m, jnp.ones(3))
+    np.testing.assert_array_equal(gx, [3.0, 3.0, 3.0])
+    assert seen == [((3,), {"c": (3,), "i": None})]
