@@ -46,17 +46,13 @@ def _collect(frame: _context.Frame) -> dict[str, list[Rec]] | None:
     return found or None
 
 
-def _forward_hooks(frame: _context.Frame) -> list[Rec]:
-    """The forward hooks of this call as they are now (PyTorch reads them after ``forward``)."""
-    method = frame.method
-    out = []
-    entries, ctx = _active.value, frame.context
-    if entries and ctx is not None:
-        for e in entries:
-            if e.kind == "hooks" and e.fn and e.selector.matches(ctx):
-                out += [r for r in e.fn if r.kind == "forward"]
+def _forward_hooks(frame: _context.Frame, found: dict[str, list[Rec]]) -> list[Rec]:
+    """The forward hooks of this call: the scoped ones (token 0) found when it started, then the
+    module's own as they are now (PyTorch reads a module's forward hooks after ``forward``)."""
+    out = [r for r in found.get("forward", ()) if not r.token]
     hs = vars(frame.module).get(_hooks.ATTR)
     if hs is not None:
+        method = frame.method
         out += [r for r in hs.records if r.kind == "forward" and method in r.methods]
     return out
 
@@ -97,6 +93,7 @@ def _post(r: Rec, frame: _context.Frame, args: tuple, kwargs: dict, out: Any) ->
 
 def _always(
     frame: _context.Frame,
+    found: dict[str, list[Rec]],
     called: list[Rec],
     args: tuple,
     kwargs: dict,
@@ -109,7 +106,7 @@ def _always(
     else the output so far (a forward hook raised); a hook that raises is silenced with a
     warning, and the next one runs.
     """
-    for r in _forward_hooks(frame):
+    for r in _forward_hooks(frame, found):
         if not r.always_call or any(c is r for c in called):
             continue
         try:
@@ -148,11 +145,11 @@ def run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dict
             post_fns = [r.fn for r in bpost or ()]
             args, wrap_output = wrap_site(frame.module, args, pre_fns, post_fns, _where(frame))
         out = fn(frame.module, *args, **kwargs)
-        for r in _forward_hooks(frame):
+        for r in _forward_hooks(frame, found):
             if r.always_call:
                 called.append(r)
             out = _post(r, frame, args, kwargs, out)
     except Exception as e:
-        _always(frame, called, args, kwargs, out, e)
+        _always(frame, found, called, args, kwargs, out, e)
         raise
     return out if wrap_output is None else wrap_output(out)

@@ -55,6 +55,7 @@ class HookRecord:
     with_kwargs: bool = False
     always_call: bool = False
     prepend: bool = False
+    # The registration's id (HookHandle.id); 0 for a scoped hook (hx.hooks).
     token: int = dataclasses.field(default=0, compare=False, repr=False)
     # The function's value-stable key (see _fnkey): a hook re-created with the same code over
     # the same objects gives an equal record, so an equal graphdef and jit cache key.
