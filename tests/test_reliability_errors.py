@@ -201,7 +201,8 @@ BACKWARD_RETURNS = [
         hx.register_full_backward_hook,
         lambda m, gi, go: (gi[0], gi[0]),
         "backward hook ",
-        "must be a tuple with one entry per positional argument (1), got a tuple of length 2.",
+        "must be a tuple with one entry per positional argument (1), got a tuple of length 2 "
+        "(`grad_input * k` repeats a tuple: scale its entries instead).",
     ),
     (
         hx.register_full_backward_hook,
