@@ -70,14 +70,19 @@ def _eqx_value_and_grad(
     return value, (*gs, gp)
 
 
-def _discover(fn: Any, where: Any, mode: Any, args: tuple, kwargs: dict) -> list[Any]:
-    """The records a capture of ``fn(*args)`` makes, as ``(key, spec, avals)``, abstractly."""
+def _discover(
+    fn: Any, where: Any, mode: Any, args: tuple, kwargs: dict
+) -> tuple[list[Any], list[str]]:
+    """The records a capture of ``fn(*args)`` makes, as ``(key, spec, avals)``, abstractly; and
+    the keys in the order their first call started (the order ``hx.capture`` gives)."""
     found: list[Any] = []
+    order: list[str] = []
 
     def probe(*a: Any, **k: Any) -> Any:
         s = _capture.session(WHO, where, fn, a, k)
         s.run(fn, *a, **k)
         found[:] = [(r.key, r.spec) for r in s.session.records]
+        order[:] = list(_capture.collect(s.session))
         return [r.values for r in s.session.records]
 
     if mode == "equinox":
@@ -90,7 +95,7 @@ def _discover(fn: Any, where: Any, mode: Any, args: tuple, kwargs: dict) -> list
         shapes = nnx.eval_shape(probe, *args, **kwargs)
     else:
         shapes = jax.eval_shape(probe, *args, **kwargs)
-    return [(key, spec, avals) for (key, spec), avals in zip(found, shapes)]
+    return [(key, spec, avals) for (key, spec), avals in zip(found, shapes)], order
 
 
 def _zeros(records: list[Any]) -> list[list[Any]]:
@@ -168,7 +173,7 @@ def value_and_grad(
         nnx_mode = _is_nnx((args, kwargs, list(_capture.roots(fn))))
         nums_pos = tuple(n % len(args) for n in nums)
         eqx_mode = not nnx_mode and _is_equinox([args[n] for n in nums_pos])
-        records = _discover(fn, where, "equinox" if eqx_mode else nnx_mode, args, kwargs)
+        records, order = _discover(fn, where, "equinox" if eqx_mode else nnx_mode, args, kwargs)
         perturbs = _zeros(records)
         extra = len(args)
 
@@ -196,7 +201,7 @@ def value_and_grad(
                 vg = jax.value_and_grad(inner, argnums=(*nums_pos, extra), has_aux=has_aux)
             value, g = vg(*args, perturbs)
         grads = g[0] if not isinstance(argnums, tuple) else tuple(g[:-1])
-        act_grads: dict[str, list[Any]] = {}
+        act_grads: dict[str, list[Any]] = {k: [] for k in order}
         for (key, spec, _), leaves in zip(records, g[-1]):
             act_grads.setdefault(key, []).append(_tags.unwrap(spec.rebuild(list(leaves))))
         return value, grads, {k: tuple(v) for k, v in act_grads.items()}
