@@ -218,7 +218,8 @@ def summary(
     with every scan counted once per trip. Parameters are counted per module including its
     submodules, by collection; parameters held by several modules (tied embeddings) are counted
     once in the totals and the rows holding them say with whom they share; a module called
-    twice is marked on its second row (``same_as``) and counted once. The memory estimate is
+    twice (the same method of the very same module) is marked on its second row (``same_as``)
+    and counted once. The memory estimate is
     one training step: inputs, variables, gradients of the trainable parameters, and the
     activations the backward pass keeps.
 
@@ -253,7 +254,7 @@ def summary(
     >>> s.title, s.rows[0].outputs, s.totals.params, s.totals.flops
     ('Linear(f32[8,64])', ('f32[8,32]',), 2080, 33024)
     >>> s.totals.vjp_flops  # forward and backward
-    99584
+    98784
     """
     backend = _check(model, depth, method, train)
     args, kwargs = _specs_to_structs(example_args), _specs_to_structs(example_kwargs)
@@ -269,16 +270,16 @@ def summary(
     rows = []
     activations = 0
     seen = {rec.path for rec in records}
-    first: dict[int, str] = {}
+    first: dict[tuple[int, str], str] = {}
     for i, rec in enumerate(records):
         n = trips.get(i, 1)
         if i == 0:
             flops, (vjp, activations) = whole.flops(), whole.backward(xla_memory)
         else:
             flops, vjp = (_scale(c, n, rec.vmapped) for c in _site_costs(rec.site, cache))
-        same_as = first.get(rec.module_id)
+        same_as = first.get((rec.module_id, rec.method))
         if same_as is None:
-            first[rec.module_id] = rec.key
+            first[(rec.module_id, rec.method)] = rec.key
         reuse = same_as is not None
         p, b, state = colls.of(rec.path)
         rows.append(
