@@ -243,13 +243,13 @@ def _warn_64_bit(specs: list[Any]) -> None:
     """Without x64, JAX traces 64-bit inputs as 32-bit: say so (a warning, on stderr)."""
     import jax
 
-    if jax.config.jax_enable_x64:
+    if jax.config.read("jax_enable_x64"):
         return
     from ._specs import describe
 
     for spec in specs:
         dtype = getattr(spec, "dtype", None)
-        if dtype is not None and getattr(dtype, "itemsize", 0) == 8 and dtype.kind in "fiuc":
+        if getattr(dtype, "itemsize", 0) == 8 and getattr(dtype, "kind", "x") in "fiuc":
             print(
                 f"hookax: warning: input {describe(spec)} asks for 64-bit values but JAX runs "
                 "without x64, so it is traced as 32-bit; set JAX_ENABLE_X64=1 to keep 64 bits",
@@ -263,8 +263,7 @@ def load_model(args: argparse.Namespace, *, abstract: bool) -> LoadedModel:
 
     if (args.factory is None) == (args.example is None):
         raise UsageError(
-            "give either a factory (package.module:function or file.py:function) or "
-            "--example NAME"
+            "give either a factory (package.module:function or file.py:function) or --example NAME"
         )
     kwargs = _kwargs(args.kw)
     if args.example is not None:
@@ -402,15 +401,19 @@ def _summary(args: argparse.Namespace) -> None:
     if args.depth is not None and args.depth < 0:
         raise UsageError(f"--depth takes an integer >= 0, got {args.depth}")
     loaded = load_model(args, abstract=True)
+    kwargs = dict(loaded.kwargs)
+    train = kwargs.pop("train", None)  # hx.summary passes it on to a model that takes it
+    if not isinstance(train, bool | None):
+        raise UsageError(f"--kw train takes true or false, got {train!r}")
     try:
         s = summary(
             loaded.model,
             *loaded.args,
             depth=args.depth,
             method=args.method,
-            train=False if args.eval else None,
+            train=False if args.eval else train,
             variables=args.variables,
-            **loaded.kwargs,
+            **kwargs,
         )
     except HookaxError as e:
         raise UsageError(_first_line(e).removeprefix("hx.summary: ")) from None

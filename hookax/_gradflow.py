@@ -41,9 +41,7 @@ def mean_square_loss(model: Any, *inputs: Any, **kwargs: Any) -> Any:
     import jax.numpy as jnp
 
     outs = [
-        y
-        for y in jax.tree.leaves(model(*inputs, **kwargs))
-        if jnp.issubdtype(y.dtype, jnp.inexact)
+        y for y in jax.tree.leaves(model(*inputs, **kwargs)) if jnp.issubdtype(y.dtype, jnp.inexact)
     ]
     return sum(jnp.mean(jnp.square(y.astype(jnp.float32))) for y in outs)
 
@@ -114,7 +112,8 @@ def layer_grad_norms(
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
+    >>> rngs = nnx.Rngs(0)
+    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))
     >>> norms = layer_grad_norms(model, jnp.ones((2, 3)))
     >>> list(norms)
     ['layers/0', 'layers/1']
@@ -131,7 +130,8 @@ def param_grad_stats(
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 2, rngs=nnx.Rngs(1)))
+    >>> rngs = nnx.Rngs(0)
+    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))
     >>> list(param_grad_stats(model, jnp.ones((2, 3))))
     ['layers/0', 'layers/1']
     """
@@ -236,7 +236,9 @@ class _Layout:
             if n > 1 and leaves and all(g.ndim and g.shape[0] == n for g in leaves):
                 first = self.keys.get(parent, order)
                 for i in range(n):
-                    out.append(((first, i, order), _layer_label(key, parent, i), [g[i] for g in leaves]))
+                    out.append(
+                        ((first, i, order), _layer_label(key, parent, i), [g[i] for g in leaves])
+                    )
             else:
                 out.append(((order, -1, order), key, leaves))
         return [(label, leaves) for _, label, leaves in sorted(out, key=lambda t: t[0])]

@@ -235,7 +235,8 @@ def summary(
       train: None runs the model as it is; True/False switch training behaviour (dropout,
         batch statistics) on or off for the summary only: NNX ``train()``/``eval()``, Equinox
         ``inference_mode``, Linen ``deterministic=``/``train=`` keyword arguments where the
-        method takes them.
+        method takes them. A method that takes a ``train`` argument receives it (so
+        ``hx.summary(model, x, train=False)`` also reads as the model's own ``train=False``).
       variables: list each module's own variables (name, collection, shape) in its row.
       xla_memory: take the activations of the memory estimate from XLA's memory analysis of
         the compiled forward and backward pass (its temporary buffers: exact for XLA's
@@ -258,6 +259,9 @@ def summary(
     """
     backend = _check(model, depth, method, train)
     args, kwargs = _specs_to_structs(example_args), _specs_to_structs(example_kwargs)
+    sig = _signature(model, method)
+    if train is not None and sig is not None and "train" in sig.parameters:
+        kwargs["train"] = train  # a model's own train= argument gets the switch too
     _check_arguments(model, method, args, kwargs)
     from . import _summary_cost as cost
     from ._summary_trace import describe_call
@@ -319,7 +323,7 @@ def summary(
         totals,
         model=type(model).__name__,
         method=method,
-        inputs=describe_call(_signature(model, method), args, kwargs),
+        inputs=describe_call(sig, args, kwargs),
     )
 
 
@@ -402,8 +406,8 @@ def _check_arguments(model: Any, method: str, args: tuple, kwargs: dict) -> None
     for x in args:
         if isinstance(x, tuple) and x and all(isinstance(d, int) for d in x):
             raise HookaxError(
-                f"hx.summary({name}, {x!r}): a tuple of ints is not an input shape here (torchinfo's"
-                f" input_size). Fix: pass a spec with the dtype, "
+                f"hx.summary({name}, {x!r}): a tuple of ints is not an input shape here "
+                f"(torchinfo's input_size). Fix: pass a spec with the dtype, "
                 f'hx.summary(model, "f32[{",".join(map(str, x))}]"), or '
                 f"jax.ShapeDtypeStruct({x!r}, jnp.float32)."
             )

@@ -126,11 +126,13 @@ def _subjaxprs(eqn: Any) -> Iterator[Any]:
 
 def _scan_extra(jaxpr: Any) -> int | None:
     """FLOPs XLA's count misses: ``(length - 1) x body`` for each scan, nested ones included."""
+    from jax.extend.core import jaxpr_as_fun
+
     extra = 0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
             body = eqn.params["jaxpr"]
-            closed = jax.extend.core.jaxpr_as_fun(body)
+            closed = jaxpr_as_fun(body)
             avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in body.jaxpr.invars]
             try:
                 per_trip = flops(jax.jit(closed).trace(*avals))

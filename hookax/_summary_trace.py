@@ -162,7 +162,7 @@ class Whole:
 
 def _named(name: str, tree: Any) -> list[str]:
     """Each leaf of ``tree`` described, prefixed by ``name`` and its key path in the tree."""
-    out = []
+    out: list[str] = []
     for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         sub = jax.tree_util.keystr(kp, simple=True, separator="/")
         label = "/".join(s for s in (name, sub) if s)
@@ -173,7 +173,7 @@ def _named(name: str, tree: Any) -> list[str]:
 def describe_call(sig: inspect.Signature | None, args: tuple, kwargs: dict) -> tuple[str, ...]:
     """The arguments of a call as specs: a positional array bare, anything else named."""
     params = list(sig.parameters.values())[1:] if sig is not None else []
-    out = []
+    out: list[str] = []
     for i, arg in enumerate(args):
         leaves = jax.tree.leaves(arg)
         if len(leaves) <= 1 and all(x is arg for x in leaves):

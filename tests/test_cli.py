@@ -191,15 +191,24 @@ def test_gradflow_of_a_parameter_free_model(capsys, tmp_path, factories):
 
 def test_gradflow_checks_out_before_any_work(capsys, tmp_path, factories):
     missing = tmp_path / "no" / "such" / "dir.png"
-    msg = _error(capsys, "gradflow", f"{factories}:counted", "--input", "f32[1,4]",
-                 "--out", str(missing))
+    msg = _error(
+        capsys, "gradflow", f"{factories}:counted", "--input", "f32[1,4]", "--out", str(missing)
+    )
     assert msg == f"cannot write {str(missing)!r}: no such directory"
     assert _error(capsys, "gradflow", "--example", "mlp", "--out", str(tmp_path)) == (
         f"cannot write {str(tmp_path)!r}: is a directory"
     )
     assert factories not in sys.modules  # the factory was not even imported
-    msg = _error(capsys, "gradflow", "--example", "mlp", "--where", "layerz/*",
-                 "--out", str(tmp_path / "x.png"))
+    msg = _error(
+        capsys,
+        "gradflow",
+        "--example",
+        "mlp",
+        "--where",
+        "layerz/*",
+        "--out",
+        str(tmp_path / "x.png"),
+    )
     assert msg.startswith("--where 'layerz/*': ")
 
 
@@ -329,6 +338,15 @@ def test_python_dash_m_hookax_and_lazy_imports():
     )
     assert (bad.returncode, bad.stdout) == (2, "")
     assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+    # A reader that stops early (`| head -1`) closes the pipe: a quiet exit, no traceback.
+    piped = subprocess.run(
+        f"{sys.executable} -m hookax summary --example transformer | head -1",
+        shell=True,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert (piped.stdout, piped.stderr) == ("Decoder(i32[2,32])\n", "")
     code = (
         "import sys, hookax, hookax._cli, hookax.examples; "
         "print(sorted(m for m in ('flax', 'rich', 'matplotlib', 'equinox') if m in sys.modules))"
@@ -353,3 +371,142 @@ def test_layer_grad_norms_are_activation_gradient_norms():
     g_hidden = g_out @ model.layers[1].kernel[...].T
     np.testing.assert_allclose(norms["layers/1"], float(jnp.linalg.norm(g_out)), rtol=1e-5)
     np.testing.assert_allclose(norms["layers/0"], float(jnp.linalg.norm(g_hidden)), rtol=1e-5)
+
+
+MODELS_PY = """
+import equinox as eqx
+import flax.linen as nn
+import jax
+from flax import nnx
+
+
+class LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        return nn.Dropout(0.5, deterministic=not train)(x)
+
+
+def make():
+    return nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+
+
+def linen():
+    return LinenNet()
+
+
+def equinox():
+    return eqx.nn.MLP(8, 2, 16, 1, key=jax.random.key(0))
+"""
+
+
+@pytest.fixture
+def in_cwd(tmp_path, monkeypatch):
+    """A file of factories in the current directory, which is not on sys.path."""
+    folder = tmp_path / "work"
+    folder.mkdir()
+    (folder / "mymodels.py").write_text(MODELS_PY)
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(folder))])
+    yield folder
+    sys.modules.pop("mymodels", None)
+
+
+def _summary_json(capsys, *argv):
+    code, out, err = _run(capsys, "summary", *argv, "--format", "json")
+    assert (code, err) == (0, ""), err
+    return hx.Summary.from_json(out)
+
+
+def test_factories_from_the_current_directory_and_by_file(capsys, in_cwd):
+    s = _summary_json(capsys, "mymodels:make", "--input", "f32[2,8]")
+    assert s.totals.params == 36
+    sys.modules.pop("mymodels")
+    s = _summary_json(capsys, "./mymodels.py:make", "--input", "f32[2,8]")
+    assert s.title == "Linear(f32[2,8])"
+    s = _summary_json(capsys, str(in_cwd / "mymodels.py") + ":make", "--input", "f32[2,8]")
+    assert s.totals.params == 36
+    assert _error(capsys, "summary", "./nope.py:make", "--input", "f32[2]") == (
+        "cannot import factory: no file './nope.py'"
+    )
+
+
+def test_linen_and_equinox_factories(capsys, in_cwd):
+    s = _summary_json(capsys, "mymodels:linen", "--input", "f32[2,4]")
+    assert [r.key for r in s.rows] == ["", "Dense_0", "BatchNorm_0", "Dropout_0"]
+    assert s.totals.params == 4 * 8 + 8 + 2 * 8
+    assert s.totals.state == (("batch_stats", 16, 64),)
+    train = {r.key: r.flops for r in s.rows}
+    evals = {
+        r.key: r.flops
+        for r in _summary_json(capsys, "mymodels:linen", "--input", "f32[2,4]", "--eval").rows
+    }
+    assert evals["Dropout_0"] == 0 < train["Dropout_0"]
+    s = _summary_json(capsys, "mymodels:equinox", "--input", "f32[8]")
+    assert s.totals.params == 8 * 16 + 16 + 16 * 2 + 2
+    assert s.rows[0].type == "MLP"
+
+
+def test_keyword_arguments(capsys, factories):
+    argv = [
+        f"{factories}:keyed",
+        "--input",
+        "f32[2,8]",
+        "--kw",
+        "cache.k=f32[2,8]",
+        "--kw",
+        "cache.v=i32[3]",
+        "--kw",
+        "rng=key(0)",
+        "--kw",
+        "scale=3",
+        "--kw",
+        "train=False",
+        "--kw",
+        "mask=none",
+    ]
+    s = _summary_json(capsys, *argv)
+    assert s.rows[0].inputs == (
+        "f32[2,8]",
+        "cache/k: f32[2,8]",
+        "cache/v: i32[3]",
+        "rng: key<fry>[]",
+        "scale: 3",
+        "train: False",
+    )
+    assert s.rows[0].outputs == ("0: f32[2,8]", "1: i32[3]")
+    assert {r.key: r.flops for r in s.rows}["drop"] == 0  # train=False reached the model
+    assert _error(capsys, "summary", f"{factories}:keyed", "--kw", "cache") == (
+        "--kw takes NAME=VALUE, got 'cache'"
+    )
+    assert _error(capsys, "summary", f"{factories}:keyed", "--kw", "x=f32[").startswith(
+        "--kw x: cannot parse input spec 'f32['"
+    )
+    assert _error(capsys, "summary", f"{factories}:keyed", "--kw", "x=hello") == (
+        "cannot parse --kw x=hello: expected a spec like f32[1,8], an int, a float, "
+        "true/false, none or key(SEED)"
+    )
+    assert _error(capsys, "summary", f"{factories}:keyed", "--input", "f32[2,8]").startswith(
+        "hx.summary(Keyed, ...) cannot call Keyed.__call__(x, *, cache, "
+    )
+
+
+def test_formats_version_and_64_bit_warning(capsys, factories):
+    code, out, err = _run(
+        capsys, "summary", f"{factories}:linear", "--input", "f32[8,64]", "--format", "markdown"
+    )
+    assert code == 0 and out.splitlines()[0] == "**Linear(f32[8,64])**"
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"hookax {hx.__version__}\n"
+    code, out, err = _run(capsys, "summary", f"{factories}:linear", "--input", "f64[8,64]")
+    assert code == 0
+    assert err == (
+        "hookax: warning: input f64[8,64] asks for 64-bit values but JAX runs without x64, "
+        "so it is traced as 32-bit; set JAX_ENABLE_X64=1 to keep 64 bits\n"
+    )
+    assert _error(capsys, "summary", "--example", "mlp", "--format", "yaml").startswith(
+        "argument --format: invalid choice: 'yaml'"
+    )

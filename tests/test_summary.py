@@ -45,7 +45,13 @@ def test_linear_flops_match_formula_and_xla_eager_and_abstract():
     )
     assert (row.params, row.param_bytes) == (64 * 32 + 32, (64 * 32 + 32) * 4)
     t = on_array.totals
-    assert (t.params, t.param_bytes, t.flops, t.shared_params, t.state) == (2080, 8320, 33_024, 0, ())
+    assert (t.params, t.param_bytes, t.flops, t.shared_params, t.state) == (
+        2080,
+        8320,
+        33_024,
+        0,
+        (),
+    )
     vjp = jax.jit(_vjp_of(lambda m, x: m(x))).lower(lin, x).cost_analysis()
     assert t.vjp_flops == row.vjp_flops == vjp["flops"]
     # A linear layer keeps only its input and kernel for the backward pass: no activations.
@@ -400,11 +406,17 @@ def test_reuse_pytree_outputs_named_kwargs_and_method():
 
 def test_no_inputs_shape_tuples_and_bad_specs_say_how_to_fix():
     lin = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
-    with pytest.raises(hx.HookaxError, match=r"cannot call Linear.__call__\(inputs.*missing a "
-                       r"required argument: 'inputs'.*hx.summary\(model, \"f32\[8,784\]\"\)"):
+    with pytest.raises(
+        hx.HookaxError,
+        match=r"cannot call Linear.__call__\(inputs.*missing a "
+        r"required argument: 'inputs'.*hx.summary\(model, \"f32\[8,784\]\"\)",
+    ):
         hx.summary(lin)
-    with pytest.raises(hx.HookaxError, match=r"a tuple of ints is not an input shape.*"
-                       r'hx.summary\(model, "f32\[8,4\]"\)'):
+    with pytest.raises(
+        hx.HookaxError,
+        match=r"a tuple of ints is not an input shape.*"
+        r'hx.summary\(model, "f32\[8,4\]"\)',
+    ):
         hx.summary(lin, (8, 4))
     with pytest.raises(hx.HookaxError, match="cannot parse input spec 'f32\\[8,x\\]'"):
         hx.summary(lin, "f32[8,x]")
