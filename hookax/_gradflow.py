@@ -150,7 +150,7 @@ def grad_flow(
 
     from ._actgrad import value_and_grad
 
-    layout = _Layout.of(model, inputs, kwargs)
+    layout = _Layout.of(model, inputs, kwargs, loss_fn)
     run = nnx.jit(lambda m, *xs, **kw: value_and_grad(loss_fn, where=where)(m, *xs, **kw)[1:])
     grads, act_grads = run(model, *inputs, **kwargs)
     if where is not None and not act_grads:
@@ -198,13 +198,26 @@ class _Layout:
     scanned: dict[str, tuple[str, int]]  # key -> (key of the scanned module, trip count)
 
     @classmethod
-    def of(cls, model: Any, inputs: tuple, kwargs: dict) -> _Layout:
-        from . import _summary_cost as cost
-        from ._summary_trace import NNX, abstract
+    def of(
+        cls,
+        model: Any,
+        inputs: tuple,
+        kwargs: dict,
+        loss_fn: Callable[..., Any] = mean_square_loss,
+    ) -> _Layout:
+        from flax import nnx
 
-        whole = NNX().trace_calls(
-            model, abstract(inputs), abstract(kwargs), method="__call__", train=None
-        )
+        from . import _summary_cost as cost
+        from ._summary_trace import Flat, abstract, trace_whole
+
+        graphdef, state = nnx.split(model)
+        flat = Flat.of((inputs, kwargs))
+
+        def loss(state: Any, dynamic: list[Any]) -> Any:
+            a, k = flat.rebuild(dynamic)
+            return loss_fn(nnx.merge(graphdef, state), *a, **k)
+
+        whole = trace_whole(loss, (abstract(state), flat.dynamic), lambda *_: None)
         trips = cost.site_trips(whole.traced.jaxpr.jaxpr)
         keys: dict[str, int] = {}
         scanned: dict[str, tuple[str, int]] = {}
