@@ -49,13 +49,15 @@ def versus_tabulate() -> dict[str, float]:
         model = ex.make_model(nnx.Rngs(0))
         specs = ex.example_inputs()
         arrays = [jnp.zeros(s.shape, s.dtype) for s in specs]
-        result["hx.summary"] += _best(lambda: hx.summary(abstract, *specs))
-        result["tabulate flops"] += _best(
-            lambda: nnx.tabulate(model, *arrays, compute_flops=True)
-        )
-        result["tabulate flops+vjp"] += _best(
-            lambda: nnx.tabulate(model, *arrays, compute_flops=True, compute_vjp_flops=True)
-        )
+        runs: dict[str, Callable[[], Any]] = {
+            "hx.summary": lambda a=abstract, s=specs: hx.summary(a, *s),
+            "tabulate flops": lambda m=model, x=arrays: nnx.tabulate(m, *x, compute_flops=True),
+            "tabulate flops+vjp": lambda m=model, x=arrays: nnx.tabulate(
+                m, *x, compute_flops=True, compute_vjp_flops=True
+            ),
+        }
+        for key, run in runs.items():
+            result[key] += _best(run)
     print("transformer + resnet examples, seconds (best of 3):")
     for key, value in result.items():
         print(f"{key:>22}: {value:.2f} s")
