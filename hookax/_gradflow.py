@@ -225,7 +225,7 @@ class _Layout:
         for i, rec in enumerate(whole.records):
             keys.setdefault(rec.key, i)
             n = trips.get(i, 1)
-            if n is not None and n > 1:
+            if n is not None and n > 1 and rec.key not in scanned:
                 parent = next(
                     (outer[k] for k in outer if rec.key.startswith(k + "/") or rec.key == k),
                     rec.key,

@@ -270,13 +270,14 @@ def summary(
     records = whole.records
     colls = backend.collections(model, variables)
     trips = cost.site_trips(whole.traced.jaxpr.jaxpr)
+    records = _drop_discarded_traces(records, trips)
     cache: dict[Hashable, tuple[int | None, int | None]] = {}
     rows = []
     activations = 0
-    seen = {rec.path for rec in records}
+    seen = {rec.path for _, rec in records}
     first: dict[tuple[int, str], str] = {}
-    for i, rec in enumerate(records):
-        n = trips.get(i, 1)
+    for i, (n_site, rec) in enumerate(records):
+        n = trips.get(n_site, 1)
         if i == 0:
             flops, (vjp, activations) = whole.flops(), whole.backward(xla_memory)
         else:
@@ -325,6 +326,26 @@ def summary(
         method=method,
         inputs=describe_call(sig, args, kwargs),
     )
+
+
+def _drop_discarded_traces(records: list[Any], trips: dict[int, int | None]) -> list[Any]:
+    """``(site number, record)`` pairs, without the calls that are not calls of the program.
+
+    A call site absent from the program either did no work or ran in a trace that was thrown
+    away (Linen's ``nn.scan`` traces its body twice); only the second kind has a twin of the
+    same key and method that the program has. Linen's lifted ``nn.scan`` module is also called
+    once around the loop, then once per trip inside it: the row inside (with its trip count)
+    stays.
+    """
+    present = {(r.key, r.method) for i, r in enumerate(records) if i in trips}
+    looped = {(r.key, r.method) for i, r in enumerate(records) if trips.get(i, 1) != 1}
+    return [
+        (i, r)
+        for i, r in enumerate(records)
+        if i == 0
+        or (i in trips and (trips[i] != 1 or (r.key, r.method) not in looped))
+        or (i not in trips and (r.key, r.method) not in present)
+    ]
 
 
 def _scale(n: int | None, trips: int | None, vmapped: tuple[int, ...]) -> int | None:

@@ -152,10 +152,12 @@ def _scan_extra(jaxpr: Any) -> int | None:
 
 
 def site_trips(jaxpr: Any) -> dict[int, int | None]:
-    """Call site number -> how many times it runs per call, for sites inside loops only.
+    """Call site number -> how many times it runs per call, for the sites in the program.
 
     Read from the name scopes :data:`SCOPE` ``n`` in the traced program: a site inside scans runs
-    the product of their lengths, inside a ``while`` loop an unknown number (None).
+    the product of their lengths, inside a ``while`` loop an unknown number (None), elsewhere
+    once. A site that is absent did no work, or ran in a trace the program does not use (Linen's
+    ``nn.scan`` traces its body once more to learn its shapes).
     """
     trips: dict[int, int | None] = {}
     _walk(jaxpr, 1, trips)
@@ -164,9 +166,8 @@ def site_trips(jaxpr: Any) -> dict[int, int | None]:
 
 def _walk(jaxpr: Any, factor: int | None, trips: dict[int, int | None]) -> None:
     for eqn in jaxpr.eqns:
-        if factor != 1:
-            for n in _SCOPE_RE.findall(str(eqn.source_info.name_stack)):
-                trips.setdefault(int(n), factor)
+        for n in _SCOPE_RE.findall(str(eqn.source_info.name_stack)):
+            trips.setdefault(int(n), factor)
         name = eqn.primitive.name
         if name == "scan":
             inner = None if factor is None else factor * eqn.params["length"]

@@ -449,3 +449,34 @@ def test_markdown_and_json_round_trip_keep_everything():
     assert md[0] == "**Net(f32[2,8])**"
     assert md[2] == "| Call site | Type | Inputs | Outputs | Params | FLOPs | VJP FLOPs |"
     assert md[-5] == "- Total parameters: 244 (976 B)"
+
+
+def test_linen_nn_scan_rows_once_with_trip_count_and_batch_stats():
+    import flax.linen as nn
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return nn.relu(nn.Dense(8)(x)), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = True):
+            scan = nn.scan(
+                Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=5
+            )
+            x, _ = scan()(x, None)
+            return nn.BatchNorm(use_running_average=not train)(x)
+
+    s = hx.summary(Stack(), "f32[3,8]")
+    assert [(r.key, r.trips) for r in s.rows] == [
+        ("", 1),
+        ("ScanLayer_0", 5),
+        ("ScanLayer_0/Dense_0", 5),
+        ("BatchNorm_0", 1),
+    ]
+    dense = 2 * 3 * 8 * 8 + 3 * 8
+    assert s.rows[2].flops == 5 * dense
+    assert (s.totals.params, s.totals.state) == (5 * 72 + 16, (("batch_stats", 16, 64),))
+    # The train switch reaches Linen's own `train` argument.
+    assert hx.summary(Stack(), "f32[3,8]", train=False).rows[-1].flops < s.rows[-1].flops
