@@ -398,6 +398,22 @@ def linen():
 
 def equinox():
     return eqx.nn.MLP(8, 2, 16, 1, key=jax.random.key(0))
+
+
+class Pair(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(4, 4, rngs=rngs)
+        self.b = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.b(self.a(x))
+
+    def first(self, x):
+        return self.a(x)
+
+
+def pair():
+    return Pair(nnx.Rngs(0))
 """
 
 
@@ -420,8 +436,9 @@ def _summary_json(capsys, *argv):
 
 
 def test_factories_from_the_current_directory_and_by_file(capsys, in_cwd):
-    s = _summary_json(capsys, "mymodels:make", "--input", "f32[2,8]")
+    s = _summary_json(capsys, "mymodels:make", "--input", "f32[2,8]", "--variables")
     assert s.totals.params == 36
+    assert s.rows[0].variables == ("bias: Param f32[4]", "kernel: Param f32[8,4]")
     sys.modules.pop("mymodels")
     s = _summary_json(capsys, "./mymodels.py:make", "--input", "f32[2,8]")
     assert s.title == "Linear(f32[2,8])"
@@ -446,6 +463,11 @@ def test_linen_and_equinox_factories(capsys, in_cwd):
     s = _summary_json(capsys, "mymodels:equinox", "--input", "f32[8]")
     assert s.totals.params == 8 * 16 + 16 + 16 * 2 + 2
     assert s.rows[0].type == "MLP"
+    s = _summary_json(capsys, "mymodels:pair", "--input", "f32[3,4]", "--method", "first")
+    assert (s.title, [r.key for r in s.rows]) == ("Pair.first(f32[3,4])", [":first", "a"])
+    assert _error(capsys, "summary", "mymodels:pair", "--input", "f32[3,4]", "--method", "x") == (
+        "Pair has no method 'x'. Fix: pass method= one of its methods."
+    )
 
 
 def test_keyword_arguments(capsys, factories):
