@@ -455,14 +455,18 @@ def _gradflow(args: argparse.Namespace) -> None:
     except OSError as e:
         raise UsageError(f"cannot write {args.out!r}: {e.strerror or e}") from None
     loaded = load_model(args, abstract=False)
-    nnx = sys.modules.get("flax.nnx")
-    if nnx is None or not isinstance(loaded.model, nnx.Module):
+    nnx, eqx = sys.modules.get("flax.nnx"), sys.modules.get("equinox")
+    if nnx is not None and isinstance(loaded.model, nnx.Module):
+        if args.eval:
+            loaded.model.eval()
+    elif eqx is not None and isinstance(loaded.model, eqx.Module):
+        if args.eval:
+            loaded.model = eqx.nn.inference_mode(loaded.model)
+    else:
         raise UsageError(
-            f"gradflow plots Flax NNX models; {loaded.name!r} is a "
+            f"gradflow plots Flax NNX and Equinox models; {loaded.name!r} is a "
             f"{type(loaded.model).__name__} (hookax summary takes it)"
         )
-    if args.eval:
-        loaded.model.eval()
     inputs = random_inputs(loaded.args, args.seed, loaded.int_high)
     kwargs = _concrete_kwargs(loaded.kwargs, args.seed)
     try:

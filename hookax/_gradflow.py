@@ -99,7 +99,7 @@ def layer_grad_norms(
     :func:`hookax.value_and_grad` under ``nnx.jit``: the model is not edited.
 
     Args:
-      model: a Flax NNX module.
+      model: a Flax NNX or Equinox module.
       *inputs: its positional arguments (arrays).
       loss_fn: ``loss_fn(model, *inputs, **kwargs) -> scalar``; by default the mean square of
         the model's floating-point outputs.
@@ -145,13 +145,12 @@ def grad_flow(
     where: Any = None,
     **kwargs: Any,
 ) -> GradFlow:
-    """Both measurements of one backward pass (see :class:`GradFlow`)."""
-    from flax import nnx
-
+    """Both measurements of one backward pass (see :class:`GradFlow`), on NNX or Equinox."""
     from ._actgrad import value_and_grad
 
-    layout = _Layout.of(model, inputs, kwargs, loss_fn)
-    run = nnx.jit(lambda m, *xs, **kw: value_and_grad(loss_fn, where=where)(m, *xs, **kw)[1:])
+    fw = _framework(model)
+    layout = _Layout.of(fw, model, inputs, kwargs, loss_fn)
+    run = fw.jit(lambda m, *xs, **kw: value_and_grad(loss_fn, where=where)(m, *xs, **kw)[1:])
     grads, act_grads = run(model, *inputs, **kwargs)
     if where is not None and not act_grads:
         from ._errors import SelectorError
@@ -165,24 +164,96 @@ def grad_flow(
         label: math.sqrt(sum(_sum_sq(g) for g in leaves))
         for label, leaves in layout.labelled((k, v) for k, v in act_grads.items() if k != "")
     }
-    return GradFlow(outputs, _param_stats(grads, layout))
+    return GradFlow(outputs, _param_stats(fw.param_grads(grads), layout))
+
+
+class _NNX:
+    """How gradflow splits, jits and reads the gradients of a Flax NNX model."""
+
+    @staticmethod
+    def split(model: Any) -> tuple[Any, Callable[[Any], Any]]:
+        from flax import nnx
+
+        graphdef, state = nnx.split(model)
+        return state, lambda state: nnx.merge(graphdef, state)
+
+    @staticmethod
+    def jit(fn: Callable[..., Any]) -> Callable[..., Any]:
+        from flax import nnx
+
+        return nnx.jit(fn)
+
+    @staticmethod
+    def param_grads(grads: Any) -> dict[str, list[Any]]:
+        """Module key -> gradients of its own parameters."""
+        from flax import nnx
+
+        from ._context import path_str
+
+        out: dict[str, list[Any]] = {}
+        for path, value in nnx.to_flat_state(grads):
+            g = value.get_value() if hasattr(value, "get_value") else value
+            out.setdefault(path_str(tuple(path[:-1])), []).append(g)
+        return out
+
+
+class _Equinox:
+    """How gradflow splits, jits and reads the gradients of an Equinox model."""
+
+    @staticmethod
+    def split(model: Any) -> tuple[Any, Callable[[Any], Any]]:
+        import equinox as eqx
+
+        dyn, static = eqx.partition(model, eqx.is_array)
+        return dyn, lambda dyn: eqx.combine(dyn, static)
+
+    @staticmethod
+    def jit(fn: Callable[..., Any]) -> Callable[..., Any]:
+        import equinox as eqx
+
+        return eqx.filter_jit(fn)
+
+    @staticmethod
+    def param_grads(grads: Any) -> dict[str, list[Any]]:
+        import equinox as eqx
+        import jax
+
+        from ._context import path_str
+        from .frameworks import _equinox
+
+        out: dict[str, list[Any]] = {}
+        for path, module in _equinox.ADAPTER.iter_modules(grads):
+            is_sub = lambda x, m=module: x is not m and isinstance(x, eqx.Module)  # noqa: E731
+            own = [x for x in jax.tree.leaves(module, is_leaf=is_sub) if eqx.is_inexact_array(x)]
+            if own:
+                out[path_str(path)] = own
+        return out
+
+
+def _framework(model: Any) -> Any:
+    import sys
+
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(model, nnx.Module):
+        return _NNX
+    eqx = sys.modules.get("equinox")
+    if eqx is not None and isinstance(model, eqx.Module):
+        return _Equinox
+    from ._errors import HookaxError
+
+    raise HookaxError(
+        f"gradient flow takes a Flax NNX or Equinox model, got {type(model).__name__}. Fix: for "
+        "a Linen model, use hx.value_and_grad on its parameters (see docs/gradients.md)."
+    )
 
 
 def _sum_sq(g: Any) -> float:
     return float((g.astype("float32") ** 2).sum())
 
 
-def _param_stats(grads: Any, layout: _Layout) -> dict[str, tuple[float, float]]:
-    from flax import nnx
-
-    by_module: dict[tuple[Any, ...], list[Any]] = {}
-    for path, value in nnx.to_flat_state(grads):
-        g = value.get_value() if hasattr(value, "get_value") else value
-        by_module.setdefault(tuple(path[:-1]), []).append(g)
-    from ._context import path_str
-
+def _param_stats(grads: dict[str, list[Any]], layout: _Layout) -> dict[str, tuple[float, float]]:
     stats: dict[str, tuple[float, float]] = {}
-    for label, leaves in layout.labelled((path_str(p), v) for p, v in by_module.items()):
+    for label, leaves in layout.labelled(grads.items()):
         n = sum(int(g.size) for g in leaves)
         total = sum(float(abs(g.astype("float32")).sum()) for g in leaves)
         top = max(float(abs(g.astype("float32")).max()) for g in leaves)
@@ -200,22 +271,21 @@ class _Layout:
     @classmethod
     def of(
         cls,
+        fw: Any,
         model: Any,
         inputs: tuple,
         kwargs: dict,
         loss_fn: Callable[..., Any] = mean_square_loss,
     ) -> _Layout:
-        from flax import nnx
-
         from . import _summary_cost as cost
         from ._summary_trace import Flat, abstract, trace_whole
 
-        graphdef, state = nnx.split(model)
+        state, merge = fw.split(model)
         flat = Flat.of((inputs, kwargs))
 
         def loss(state: Any, dynamic: list[Any]) -> Any:
             a, k = flat.rebuild(dynamic)
-            return loss_fn(nnx.merge(graphdef, state), *a, **k)
+            return loss_fn(merge(state), *a, **k)
 
         whole = trace_whole(loss, (abstract(state), flat.dynamic), lambda *_: None)
         trips = cost.site_trips(whole.traced.jaxpr.jaxpr)

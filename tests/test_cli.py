@@ -230,10 +230,10 @@ def test_gradflow_of_a_scanned_model_has_one_bar_per_layer():
 def test_scanned_layer_labels_interleave_layers():
     import jax.numpy as jnp
 
-    from hookax._gradflow import _Layout
+    from hookax._gradflow import _NNX, _Layout
     from tests.models import Scanned
 
-    layout = _Layout.of(Scanned(), (jnp.ones((2, 3), jnp.float32),), {})
+    layout = _Layout.of(_NNX, Scanned(), (jnp.ones((2, 3), jnp.float32),), {})
     assert layout.scanned == {"blocks": ("blocks", 4), "blocks/lin": ("blocks", 4)}
     stacked = (jnp.ones((4, 2)),)
     items = [("head", jnp.ones(2)), ("blocks/lin", stacked), ("blocks", stacked)]
@@ -511,6 +511,25 @@ def test_keyword_arguments(capsys, factories):
     )
     assert _error(capsys, "summary", f"{factories}:keyed", "--input", "f32[2,8]").startswith(
         "hx.summary(Keyed, ...) cannot call Keyed.__call__(x, *, cache, "
+    )
+
+
+def test_gradflow_of_equinox_and_linen_factories(capsys, in_cwd):
+    code, out, err = _run(
+        capsys,
+        "gradflow",
+        "mymodels:equinox",
+        "--input",
+        "f32[8]",
+        "--out",
+        str(in_cwd / "eqx.png"),
+    )
+    assert (code, err) == (0, "")
+    assert [line.split()[0] for line in out.splitlines()[1:3]] == ["layers/0", "layers/1"]
+    assert out.splitlines()[-1] == f"wrote {in_cwd / 'eqx.png'} (2 call sites, 2 with parameters)"
+    assert _error(capsys, "gradflow", "mymodels:linen", "--input", "f32[2,4]") == (
+        "gradflow plots Flax NNX and Equinox models; 'mymodels:linen' is a LinenNet "
+        "(hookax summary takes it)"
     )
 
 
