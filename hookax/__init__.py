@@ -33,6 +33,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 from ._actgrad import value_and_grad as value_and_grad
 from ._capture import capture as capture
+from ._harvest import harvest as harvest
 from .frameworks import ensure_installed as _ensure_installed
 
 _ensure_installed()  # adapters of frameworks imported already (none is imported here)

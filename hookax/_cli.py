@@ -1,9 +1,10 @@
-"""The ``hookax`` command line: ``hookax summary`` and ``hookax gradflow``.
+"""The ``hookax`` command line: ``hookax summary``, ``hookax gradflow`` and ``hookax harvest``.
 
     hookax summary --example cnn
     hookax summary mypkg.models:make_model --input "f32[8,224,224,3]" [--depth 2] [--format json]
     hookax summary ./mymodels.py:make --input "i32[1,128]" --kw cache.k="f32[1,128,64]" --eval
     hookax gradflow --example mlp --out gradflow.png [--where "layers/*"]
+    hookax harvest --example transformer --where "layers/*/mlp" --batches 100 --out acts.zarr
 
 A factory is ``package.module:function`` (the current directory is importable) or
 ``path/to/file.py:function``; it is called once, with no arguments, and returns a Flax NNX, Flax
@@ -49,12 +50,17 @@ class _Parser(argparse.ArgumentParser):
 
 @dataclasses.dataclass(frozen=True)
 class Command:
-    """One subcommand: its help, how it adds its arguments, and what it runs."""
+    """One subcommand: its help, how it adds its arguments, and what it runs.
+
+    ``add_parser``, when given, creates the subcommand's parser itself from the subparsers
+    object (``sub.add_parser(name, ...)``) instead of ``add_arguments`` filling one.
+    """
 
     name: str
     help: str
-    add_arguments: Callable[[argparse.ArgumentParser], None]
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None
     run: Callable[[argparse.Namespace], None]
+    add_parser: Callable[[Any], None] | None = None
 
 
 COMMANDS: dict[str, Command] = {}
@@ -80,8 +86,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for command in COMMANDS.values():
+        if command.add_parser is not None:
+            command.add_parser(sub)
+            continue
         c = sub.add_parser(command.name, help=command.help, description=command.help)
-        command.add_arguments(c)
+        if command.add_arguments is not None:
+            command.add_arguments(c)
     return p
 
 
@@ -265,7 +275,7 @@ def load_model(args: argparse.Namespace, *, abstract: bool) -> LoadedModel:
         raise UsageError(
             "give either a factory (package.module:function or file.py:function) or --example NAME"
         )
-    kwargs = _kwargs(args.kw)
+    kwargs = _kwargs(getattr(args, "kw", []))
     if args.example is not None:
         from . import examples
 
@@ -359,13 +369,23 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-def _rejected(e: Exception, loaded: LoadedModel) -> UsageError:
+def _model(args: argparse.Namespace, *, abstract: bool) -> tuple[Any, tuple[Any, ...], int]:
+    """The model, its positional input specs and the bound of random integer inputs."""
+    loaded = load_model(args, abstract=abstract)
+    return loaded.model, loaded.args, loaded.int_high
+
+
+def _rejected(e: Exception, loaded: LoadedModel | tuple[Any, ...]) -> UsageError:
+    """The error for an input the model rejected (``loaded``: the model or the input specs)."""
     import jax
 
     from ._specs import describe
     from ._summary_trace import rejection
 
-    leaves = [*loaded.args, *jax.tree.leaves(loaded.kwargs)]
+    if isinstance(loaded, LoadedModel):
+        leaves = [*loaded.args, *jax.tree.leaves(loaded.kwargs)]
+    else:
+        leaves = list(loaded)
     shown = ", ".join(describe(x) for x in leaves)
     where = rejection(e)
     where = f"{where}: " if where else ""
@@ -511,6 +531,22 @@ register(
         _gradflow,
     )
 )
+
+
+def _harvest_parser(sub: Any) -> None:
+    from ._harvest_cli import add_parser
+
+    add_parser(sub)
+
+
+def _harvest(args: argparse.Namespace) -> None:
+    from ._harvest_cli import run
+
+    run(args)
+
+
+# hookax harvest: its arguments and its run live in _harvest_cli
+register(Command("harvest", "", None, _harvest, add_parser=_harvest_parser))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
