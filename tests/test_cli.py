@@ -213,19 +213,56 @@ def test_gradflow_checks_out_before_any_work(capsys, tmp_path, factories):
     assert msg.startswith("--where 'layerz/*': ")
 
 
-@pytest.mark.xfail(reason="needs issue 11: hx.value_and_grad inside scans", strict=False)
-def test_gradflow_of_a_scanned_model_has_one_bar_per_layer():
+def test_gradflow_of_a_scanned_model_has_one_point_per_layer():
+    import jax
     import jax.numpy as jnp
+    from flax import nnx
 
-    from hookax._gradflow import grad_flow
+    from hookax._gradflow import grad_flow, mean_square_loss, plot_grad_flow
     from tests.models import Scanned
 
-    flow = grad_flow(Scanned(), jnp.ones((2, 3), jnp.float32))
-    assert [k for k in flow.outputs if k.startswith("blocks")][:2] == [
-        "blocks[0]",
-        "blocks[0]/lin",
+    model = Scanned()
+    x = jax.random.normal(jax.random.key(1), (2, 3), jnp.float32)
+    flow = grad_flow(model, x)
+    assert list(flow.outputs) == [
+        *(k for i in range(4) for k in (f"blocks[{i}]", f"blocks[{i}]/lin")),
+        "head",
     ]
-    assert "blocks[2]/lin" in flow.params
+    assert list(flow.params) == [*(f"blocks[{i}]/lin" for i in range(4)), "head"]
+
+    # The same gradients, by hand: the scan unrolled, a zero probe added at each output.
+    _, state = nnx.split(model.blocks)
+    kernel, bias = state["lin"]["kernel"][...], state["lin"]["bias"][...]
+
+    def loss(probes, params):
+        k, b, hk, hb = params
+        h = x
+        for i in range(4):
+            lin = h @ k[i] + b[i] + probes["lin"][i]
+            h = jnp.tanh(lin) + probes["block"][i]
+        return jnp.mean(jnp.square(h @ hk + hb + probes["head"]))
+
+    probes = {"lin": jnp.zeros((4, 2, 3)), "block": jnp.zeros((4, 2, 3)), "head": jnp.zeros((2, 2))}
+    params = (kernel, bias, model.head.kernel[...], model.head.bias[...])
+    g_probe, g_param = jax.grad(loss, argnums=(0, 1))(probes, params)
+    for i in range(4):
+        np.testing.assert_allclose(
+            flow.outputs[f"blocks[{i}]"], float(jnp.linalg.norm(g_probe["block"][i])), rtol=1e-5
+        )
+        np.testing.assert_allclose(
+            flow.outputs[f"blocks[{i}]/lin"], float(jnp.linalg.norm(g_probe["lin"][i])), rtol=1e-5
+        )
+        layer = jnp.concatenate([g_param[0][i].ravel(), g_param[1][i].ravel()])
+        np.testing.assert_allclose(
+            flow.params[f"blocks[{i}]/lin"],
+            (float(jnp.abs(layer).mean()), float(jnp.abs(layer).max())),
+            rtol=1e-5,
+        )
+    np.testing.assert_allclose(flow.outputs["head"], float(jnp.linalg.norm(g_probe["head"])))
+    assert float(mean_square_loss(model, x)) == pytest.approx(float(loss(probes, params)))
+    fig = plot_grad_flow(flow)
+    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert ticks[:3] == ["blocks[0]", "blocks[0]/lin", "blocks[1]"]
 
 
 def test_scanned_layer_labels_interleave_layers():
