@@ -21,6 +21,7 @@ from ._intercept import Interceptor as Interceptor
 from ._intercept import intercept as intercept
 from ._select import Select as Select
 from ._select import Selector as Selector
+from ._summary import Memory as Memory
 from ._summary import Summary as Summary
 from ._summary import SummaryRow as SummaryRow
 from ._summary import SummaryTotals as SummaryTotals
