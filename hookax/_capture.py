@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -54,7 +55,11 @@ def _check_collision(live: _tags.Session, ctx: Any) -> None:
     if getattr(adapter, "name", None) != "nnx":
         return  # Linen/Equinox rebuild module objects per call: identity means nothing there
     *_, module = adapter.aliases(ctx.module)  # the outermost copy (inside NNX transforms)
-    first = live.owners.setdefault(ctx.key, module)
+    ref = live.owners.get(ctx.key)
+    first = ref() if ref is not None else None
+    if first is None:  # weak: a module rebuilt inside jit holds that trace's tracers
+        live.owners[ctx.key] = weakref.ref(module)
+        return
     if first is module:
         return
     raise HookaxError(

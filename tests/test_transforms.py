@@ -451,3 +451,15 @@ def test_intercept_and_hooks_where_matching_nothing_raise(jit: bool) -> None:
     with hx.intercept(ident, where="blocks/*"):  # matches: no error
         f(m, t, cache)
     assert_clean()
+
+
+def test_no_tracer_leaks() -> None:
+    scanned = Scanned(nnx.Rngs(0, dropout=1))
+    x = jnp.ones((3, D))
+    with jax.checking_leaks():
+        for f in (lambda m, x: m(x), jax.jit(lambda m, x: m(x)), nnx.jit(lambda m, x: m(x))):
+            hx.capture(f)(scanned, x)
+            hx.value_and_grad(lambda m, x, f=f: f(m, x).sum())(scanned, x)
+        for how in ("vmap", "cond", "fori", "while"):
+            hx.capture(jax.jit(lambda m, x: m(x)))(Inside(how, nnx.Rngs(0)), x)
+    assert_clean()
