@@ -191,10 +191,16 @@ def _gradflow(args: argparse.Namespace) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``hookax`` command; returns the exit code (0, or 2 for a usage mistake)."""
+    from ._extras import MissingExtraError, require
+
     try:
         args = _parser().parse_args(argv)
+        # Missing packages are named before any work (gradients are not computed for nothing).
+        require("flax", "nnx", f"hookax {args.command} (it takes Flax NNX models)")
+        if args.command == "gradflow":
+            require("matplotlib", "plot", "hookax gradflow (it draws a chart)")
         {"summary": _summary, "gradflow": _gradflow}[args.command](args)
-    except UsageError as e:
+    except (UsageError, MissingExtraError) as e:
         print(f"hookax: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -11,6 +11,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from ._extras import require
+
 __all__ = ["layer_grad_norms", "mean_square_loss", "plot_grad_norms", "random_inputs"]
 
 
@@ -49,6 +51,7 @@ def layer_grad_norms(
     a call site called several times gets the norm over all its calls. Computed with
     :func:`hookax.value_and_grad` under ``nnx.jit``: the model is not edited.
     """
+    require("flax", "nnx", "hx.layer_grad_norms (it takes Flax NNX models)")
     from flax import nnx
 
     from ._actgrad import value_and_grad
@@ -82,6 +85,7 @@ def jax_leaves(tree: Any) -> list[Any]:
 
 def plot_grad_norms(norms: dict[str, float], out: str, title: str = "gradient flow") -> None:
     """Write a bar chart of ``norms`` (log axis, layers in the given order) to ``out`` (PNG)."""
+    require("matplotlib", "plot", "hx.plot_grad_norms")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
