@@ -32,34 +32,23 @@ ENV = {
 os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
 
 # The oldest set runs the tests that exercise what differs between versions: every framework
-# adapter (conformance suite: NNX, Linen, Equinox), capture and activation gradients through the
-# transforms, the summary, the CLI and the docs' recipes. The slow property/soak/thread files run
-# on the newest set only. Measured: see README "Supported versions".
+# adapter (the conformance suite on NNX, Linen and Equinox; paths through their transforms),
+# capture and activation gradients through the transforms, summary and its FLOPs, the public
+# namespace and extras, and the README. The rest (property, memory, thread and sharding soaks, the
+# CLI's subprocess runs, the recipes) runs on the newest set only. The whole suite passes on the
+# oldest set too (measured: 384 passed), except the five tests that compare with `nnx.capture`,
+# which Flax 0.12.5 does not have yet: `nox -s oldest -- -k "not (nnx_capture or perturb)"`.
 OLDEST_TESTS = [
     "tests/test_conformance.py",
     "tests/test_frameworks.py",
     "tests/test_capture.py",
     "tests/test_capture_grad.py",
-    "tests/test_hooks_grad.py",
-    "tests/test_intercept.py",
     "tests/test_summary.py",
-    "tests/test_cli.py",
     "tests/test_packaging.py",
     "README.md",
-    "docs/gradients.md",
 ]
-
-
-# Fails unless every package pinned in the constraints file is installed at exactly that version.
-_CHECK_PINS = """
-import sys
-from importlib.metadata import version
-pins = [ln.split("==") for ln in open(sys.argv[1]) if "==" in ln and not ln.startswith("#")]
-got = {name: version(name) for name, _ in pins}
-bad = {name: (pin.strip(), got[name]) for name, pin in pins if got[name] != pin.strip()}
-print("oldest set:", ", ".join(f"{n} {v}" for n, v in got.items()))
-sys.exit(f"not the oldest set (wanted, got): {bad}" if bad else 0)
-"""
+# nnx.capture, the reference these compare with, is new in Flax 0.12.6
+OLDEST_DESELECT = "not (test_parity_with_nnx_capture or test_equals_perturb)"
 
 
 @nox.session(python=PYTHON)
@@ -78,9 +67,10 @@ def oldest(session: nox.Session) -> None:
     warnings are not errors here (they are on the newest set).
     """
     session.install("-c", "constraints-oldest.txt", "-e", ".[test]")
-    session.run("python", "-c", _CHECK_PINS, "constraints-oldest.txt")
-    args = session.posargs or OLDEST_TESTS
-    session.run("python", "-m", "pytest", "-q", "-W", "ignore::DeprecationWarning", *args, env=ENV)
+    session.run("python", ".ci/check_pins.py", "constraints-oldest.txt")
+    args = session.posargs or [*OLDEST_TESTS, "-k", OLDEST_DESELECT]
+    warnings = ["-W", "ignore::DeprecationWarning"]
+    session.run("python", "-m", "pytest", "-q", *warnings, *args, env=ENV)
 
 
 @nox.session(python=PYTHON)

@@ -88,7 +88,10 @@ def main(wheel: str, work: str) -> None:
         venv = os.path.join(work, f"venv-{extra or 'core'}")
         sh([*uv, "venv", "-q", "--python", sys.executable, venv], env=env)
         spec = f"{wheel}[{extra}]" if extra else wheel
-        sh([*uv, "pip", "install", "-q", "--python", os.path.join(venv, "bin", "python"), spec])
+        python = os.path.join(venv, "bin", "python")
+        # symlinks into uv's cache: these venvs are thrown away, and copying jaxlib five times
+        # would be most of this check's time
+        sh([*uv, "pip", "install", "-q", "--link-mode", "symlink", "--python", python, spec])
         bin_env = dict(env, PATH=os.path.join(venv, "bin") + os.pathsep + env.get("PATH", ""))
         for cmd, code, text in steps:
             exe = os.path.join(venv, "bin", cmd[0])
