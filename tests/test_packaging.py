@@ -118,3 +118,9 @@ def test_cli_without_flax_names_the_nnx_extra(monkeypatch, capsys, command):
     assert err.count("\n") == 1 and "Traceback" not in err
     assert f"hookax {command} (it takes Flax NNX models) needs the Python package 'flax'" in err
     assert err.endswith('pip install "hookax[nnx]"\n')
+
+
+def test_every_public_name_is_in_the_api_reference():
+    api = (ROOT / "docs" / "reference" / "api.md").read_text()
+    missing = [name for name in hx.__all__ if f"::: hookax.{name}\n" not in api]
+    assert missing == [], f"add `::: hookax.NAME` to docs/reference/api.md for {missing}"
