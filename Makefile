@@ -37,9 +37,10 @@ lint: $(VENV)/.installed-dev
 typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
 
-# The whole suite on the locked newest set; a representative subset on the oldest supported set;
-# the built wheel installed with each extra into fresh venvs; the docs site.
-test: lint typecheck test-newest test-oldest test-wheel docs
+# The whole suite on the locked newest set, a representative subset on the oldest supported set,
+# the docs site. CI (.ci/run) also runs test-wheel: the built wheel installed with each extra into
+# fresh venvs (about a minute more).
+test: lint typecheck test-newest test-oldest docs
 
 test-newest: $(VENV)/.installed-dev
 	$(BIN)/nox -s newest

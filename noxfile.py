@@ -1,6 +1,6 @@
 """Test sessions on the two ends of the supported range, and the wheel as a user installs it.
 
-    nox                     # newest (locked) + oldest + wheel: what `make test` runs
+    nox                     # newest (locked) + oldest + wheel: what CI (.ci/run) runs
     nox -s newest           # the whole suite on requirements-dev.lock (the newest set, locked)
     nox -s oldest           # a representative subset on the lower bounds (constraints-oldest.txt)
     nox -s latest           # the whole suite on today's releases, unlocked (Python 3.11 and 3.12)

@@ -98,6 +98,7 @@ def main(wheel: str, work: str) -> None:
             # run from `work`, never from the source tree: only the installed wheel is imported
             sh([exe, *cmd[1:]], expect=code, contains=text, env=bin_env, cwd=work)
         print(f"ok: {spec.rsplit('/', 1)[-1]} ({time.perf_counter() - t0:.1f} s)", flush=True)
+    print(f"wheel: {len(checks)} passed, 0 failed")  # a failure exits above
 
 
 if __name__ == "__main__":
