@@ -18,6 +18,7 @@ from ._errors import SelectorError as SelectorError
 from ._grad import hook_grad as hook_grad
 from ._gradflow import layer_grad_norms as layer_grad_norms
 from ._gradflow import plot_grad_norms as plot_grad_norms
+from ._harvest import harvest as harvest
 from ._hooks import HookHandle as HookHandle
 from ._hooks import hooks as hooks
 from ._hooks import register_forward_hook as register_forward_hook
@@ -53,6 +54,7 @@ __all__ = [
     "SummaryRow",
     "SummaryTotals",
     "capture",
+    "harvest",
     "hook_grad",
     "hooks",
     "intercept",

@@ -1,8 +1,9 @@
-"""The ``hookax`` command line: ``hookax summary`` and ``hookax gradflow``.
+"""The ``hookax`` command line: ``hookax summary``, ``hookax gradflow`` and ``hookax harvest``.
 
     hookax summary --example cnn
     hookax summary mypkg.models:make_model --input "f32[8,224,224,3]" [--depth 2] [--json]
     hookax gradflow --example mlp --out gradflow.png
+    hookax harvest --example transformer --where "layers/*/mlp" --batches 100 --out acts.zarr
 
 A mistake on the command line (an unknown example, a factory that does not import, an input spec
 that does not parse, an input the model rejects) prints one line on stderr and exits with 2.
@@ -57,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
         else:
             c.add_argument("--out", default="gradflow.png", help="the PNG to write")
             c.add_argument("--seed", type=int, default=0, help="seed of the random input")
+    # hookax harvest: its arguments and its run live in _harvest_cli
+    from ._harvest_cli import add_parser as add_harvest_parser
+
+    add_harvest_parser(sub)
     return p
 
 
@@ -199,7 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         require("flax", "nnx", f"hookax {args.command} (it takes Flax NNX models)")
         if args.command == "gradflow":
             require("matplotlib", "plot", "hookax gradflow (it draws a chart)")
-        {"summary": _summary, "gradflow": _gradflow}[args.command](args)
+        if args.command == "harvest":
+            require("tensorstore", "harvest", "hookax harvest (it writes a zarr store)")
+        from ._harvest_cli import run as _harvest
+
+        {"summary": _summary, "gradflow": _gradflow, "harvest": _harvest}[args.command](args)
     except (UsageError, MissingExtraError) as e:
         print(f"hookax: error: {e}", file=sys.stderr)
         return 2
