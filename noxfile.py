@@ -34,10 +34,11 @@ os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
 # The oldest set runs the tests that exercise what differs between versions: every framework
 # adapter (the conformance suite on NNX, Linen and Equinox; paths through their transforms),
 # capture and activation gradients through the transforms (the per-primitive rules), summary and
-# its FLOPs, harvest's TensorStore, the public namespace and extras, and the README. The rest (property, memory, thread and sharding soaks, the
-# CLI's subprocess runs, the recipes) runs on the newest set only. The whole suite passes on the
-# oldest set too (measured before the merge of main's capture rewrite: 384 passed), except the five tests that compare with `nnx.capture`,
-# which Flax 0.12.5 does not have yet: `nox -s oldest -- -k "not (nnx_capture or perturb)"`.
+# its FLOPs, harvest's TensorStore, the public namespace and extras, and the README. The rest
+# (property, memory, thread and sharding soaks, the CLI's subprocess runs, the recipes) runs on
+# the newest set only. Run everything on the oldest set with `nox -s oldest -- tests hookax docs
+# README.md -k "not (nnx_capture or perturb)"`: the five tests left out compare with
+# `nnx.capture`, which Flax 0.12.5 does not have yet.
 OLDEST_TESTS = [
     "tests/test_conformance.py",
     "tests/test_frameworks.py",
