@@ -551,11 +551,20 @@ register(Command("harvest", "", None, _harvest, add_parser=_harvest_parser))
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``hookax`` command; returns the exit code (0, or 2 for a usage mistake)."""
+    from ._extras import MissingExtraError, require
+
     try:
         args = _parser().parse_args(argv)
+        # Missing packages are named before any work (gradients are not computed for nothing).
+        if getattr(args, "example", None) is not None:
+            require("flax", "nnx", f"hookax {args.command} --example (the examples are Flax NNX)")
+        if args.command == "gradflow":
+            require("matplotlib", "plot", "hookax gradflow (it draws a chart)")
+        if args.command == "harvest":
+            require("tensorstore", "harvest", "hookax harvest (it writes a zarr store)")
         COMMANDS[args.command].run(args)
         sys.stdout.flush()
-    except UsageError as e:
+    except (UsageError, MissingExtraError) as e:
         print(f"hookax: error: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `hookax summary ... | head`: the reader has what it wanted

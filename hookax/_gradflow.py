@@ -353,6 +353,9 @@ def plot_grad_flow(flow: GradFlow, out: str | None = None, title: str = "gradien
     mean and max of |d loss / d params| per layer. Log axes span whole decades around every
     value; zero and non-finite values are marked at the bottom of the axis.
     """
+    from ._extras import require
+
+    require("matplotlib", "plot", "hx.plot_grad_flow (it draws a chart)")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
