@@ -51,6 +51,8 @@ OLDEST_TESTS = [
     "README.md",
 ]
 # nnx.capture, the reference these compare with, is new in Flax 0.12.6
+# Two pytest workers: the suite is mostly single-threaded tracing, and CI has two cores.
+WORKERS = ["-n", os.environ.get("HOOKAX_TEST_WORKERS", "2")]
 OLDEST_DESELECT = "not (test_parity_with_nnx_capture or test_equals_perturb)"
 
 
@@ -59,7 +61,7 @@ def newest(session: nox.Session) -> None:
     """The whole suite (tests, doctests of hookax/, docs/ and the README) on the locked set."""
     session.install("-r", "requirements-dev.lock")
     session.install("--no-deps", "-e", ".")
-    session.run("python", "-m", "pytest", "-q", *session.posargs, env=ENV)
+    session.run("python", "-m", "pytest", "-q", *WORKERS, *session.posargs, env=ENV)
 
 
 @nox.session(python=PYTHON)
@@ -73,7 +75,7 @@ def oldest(session: nox.Session) -> None:
     session.run("python", ".ci/check_pins.py", "constraints-oldest.txt")
     args = session.posargs or [*OLDEST_TESTS, "-k", OLDEST_DESELECT]
     warnings = ["-W", "ignore::DeprecationWarning"]
-    session.run("python", "-m", "pytest", "-q", *warnings, *args, env=ENV)
+    session.run("python", "-m", "pytest", "-q", *WORKERS, *warnings, *args, env=ENV)
 
 
 @nox.session(python=[PYTHON, "3.12"])
