@@ -287,10 +287,8 @@ def _while(trace: HarvestTrace, args: Any, params: dict) -> Any:
     def new_cond(*a: Any) -> list[Any]:
         return _eval(cond, list(a[: cn + n_carry]))
 
-    carry_avals = list(body.out_avals)
     nb, bconsts = _closed_to_consts(_trace(new_body, [*body.in_avals, *avals]))
     ncond, cconsts = _closed_to_consts(_trace(new_cond, [*cond.in_avals, *avals]))
-    del carry_avals
     p = dict(
         params,
         body_jaxpr=nb,
