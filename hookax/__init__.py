@@ -32,6 +32,8 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 from ._actgrad import value_and_grad as value_and_grad
 from ._capture import capture as capture
+from .frameworks import StaleTraceWarning as StaleTraceWarning
 from .frameworks import ensure_installed as _ensure_installed
+from .frameworks import key_linen_interceptors as key_linen_interceptors
 
 _ensure_installed()  # adapters of frameworks imported already (none is imported here)
