@@ -232,7 +232,8 @@ IMPORT_ORDER = """
 def test_import_order_does_not_matter(hookax_first: bool) -> None:
     """Installed either way; keyed (opted in before or after flax.linen) or as in Linen."""
     if hookax_first:  # opt in before flax.linen is imported, then opt out
-        first, second = "import hookax as hx; hx.key_linen_interceptors()", "import flax.linen as nn"
+        first = "import hookax as hx; hx.key_linen_interceptors()"
+        second = "import flax.linen as nn"
     else:  # Linen's behaviour first, then opt in
         first, second = "import flax.linen as nn", "import hookax as hx"
     lines = run_python(IMPORT_ORDER.format(first=first, second=second)).splitlines()
@@ -368,9 +369,9 @@ def test_stale_reuse_warns_once_naming_the_fix(linen_mlp: Any, fresh_warnings: N
     model, params, x = linen_mlp
     forward = jax.jit(model.apply)
     forward(params, x)
-    with pytest.warns(hx.StaleTraceWarning, match=r"collector.<locals>.record.*key_linen_inter"):
-        with nn.intercept_methods(collector({})):
-            forward(params, x)  # the trace made without the interceptor is reused
+    stale = r"collector.<locals>.record.*key_linen_inter"
+    with pytest.warns(hx.StaleTraceWarning, match=stale), nn.intercept_methods(collector({})):
+        forward(params, x)  # the trace made without the interceptor is reused
     with nn.intercept_methods(collector({})):  # once per interceptor function
         forward(params, x)
 
