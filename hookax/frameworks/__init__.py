@@ -57,6 +57,10 @@ def ensure_installed() -> None:
                     import importlib
 
                     adapter = importlib.import_module(f"{__name__}.{module}")
+                    if not hasattr(adapter, "install"):
+                        # Still being imported (importing its framework ran the import hook):
+                        # installed by the next call.
+                        continue
                     adapter.install()
                     _INSTALLED[name] = adapter.ADAPTER
 

@@ -189,8 +189,8 @@ def _never_called(interceptor: Any) -> None:
 def _user_stacklevel() -> int:
     """The stack level of the first caller outside hookax, Linen's module.py and contextlib."""
     skip = (__file__, linen_module.__file__, contextlib.__file__)
-    f: types.FrameType | None = sys._getframe(1)
-    level = 2
+    f: types.FrameType | None = sys._getframe(1)  # the caller: warnings.warn's level 1
+    level = 1
     while f is not None and f.f_code.co_filename in skip:
         f, level = f.f_back, level + 1
     return level
