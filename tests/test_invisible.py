@@ -370,8 +370,8 @@ def test_stale_reuse_warns_once_naming_the_fix(linen_mlp: Any, fresh_warnings: N
     forward = jax.jit(model.apply)
     forward(params, x)
     stale = r"collector.<locals>.record.*key_linen_inter"
-    with pytest.warns(hx.StaleTraceWarning, match=stale) as caught:
-        with nn.intercept_methods(collector({})):  # noqa: SIM117 (the warning's line)
+    with pytest.warns(hx.StaleTraceWarning, match=stale) as caught:  # noqa: SIM117
+        with nn.intercept_methods(collector({})):
             forward(params, x)  # the trace made without the interceptor is reused
     assert caught[0].filename == __file__  # points at the user's `with` block
     with nn.intercept_methods(collector({})):  # once per interceptor function
