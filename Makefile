@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 
-.PHONY: demo test lint typecheck bench install-dev install
+.PHONY: demo test lint typecheck bench install-dev install compat
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3)"; exit 1; }
@@ -37,3 +37,9 @@ test: lint typecheck
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks
+
+# Flax's NNX and Linen tests and Equinox's tests, without hookax, with it imported and with a no-op
+# interceptor and hooks around every test; prints a table. Slow (own venv and sources in
+# ~/.cache/hookax-compat), not part of `make test`. COMPAT_ARGS=--full runs every test file.
+compat:
+	$(PYTHON) compat/run.py $(COMPAT_ARGS)
