@@ -46,23 +46,27 @@ _FRAMEWORKS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def ensure_installed() -> None:
-    """Install the adapter of every supported framework that is imported (cheap when done)."""
+def ensure_installed(only: str | None = None) -> None:
+    """Install the adapter of every supported framework that is imported (cheap when done).
+
+    ``only`` names one adapter (``"linen"``) to install, if its framework is imported.
+    """
     if len(_INSTALLED) == len(_FRAMEWORKS):
         return
     for name, framework, module in _FRAMEWORKS:
-        if name not in _INSTALLED and framework in sys.modules:
-            with _LOCK:
-                if name not in _INSTALLED:
-                    import importlib
+        if only not in (None, name) or name in _INSTALLED or framework not in sys.modules:
+            continue
+        with _LOCK:
+            if name not in _INSTALLED:
+                import importlib
 
-                    adapter = importlib.import_module(f"{__name__}.{module}")
-                    if not hasattr(adapter, "install"):
-                        # Still being imported (importing its framework ran the import hook):
-                        # installed by the next call.
-                        continue
-                    adapter.install()
-                    _INSTALLED[name] = adapter.ADAPTER
+                adapter = importlib.import_module(f"{__name__}.{module}")
+                if not hasattr(adapter, "install"):
+                    # Still being imported (importing its framework ran the import hook):
+                    # installed by the next call.
+                    continue
+                adapter.install()
+                _INSTALLED[name] = adapter.ADAPTER
 
 
 def installed() -> dict[str, Any]:
@@ -119,7 +123,7 @@ def key_linen_interceptors(enabled: bool = True) -> bool:
     """
     previous, LINEN_KEYED[0] = LINEN_KEYED[0], bool(enabled)
     if "flax.linen" in sys.modules:
-        ensure_installed()
+        ensure_installed(only="linen")
     return previous
 
 
@@ -147,7 +151,7 @@ class _InstallAfterImport(importlib.abc.MetaPathFinder):
         def exec_then_install(module: Any) -> None:
             exec_module(module)
             self.remove()
-            ensure_installed()
+            ensure_installed(only="linen")  # no other framework: hookax is not in use yet
 
         loader.exec_module = exec_then_install  # this module's own loader object only
         return spec
