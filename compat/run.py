@@ -213,13 +213,27 @@ def run_suite(
     return outcomes(xml) if xml.exists() else {}
 
 
+def _calls(suite: str, way: str) -> str:
+    """How many calls the no-op interceptor saw: the proof that hookax was in the way."""
+    stats = CACHE / "results" / f"{suite}-{way}-stats.json"
+    if way != "scoped" or not stats.exists():
+        return "-"
+    return str(json.loads(stats.read_text())["intercepted"])
+
+
 def report(results: dict[str, dict[str, dict[str, str]]], header: str) -> str:
-    lines = [header, "", "| suite | way | passed | failed | skipped |", "|---|---|---|---|---|"]
+    lines = [
+        header,
+        "",
+        "| suite | way | passed | failed | skipped | calls intercepted |",
+        "|---|---|---|---|---|---|",
+    ]
     diffs = []
     for suite, by_way in results.items():
         for way, res in by_way.items():
             c = Counter(res.values())
-            lines.append(f"| {suite} | {way} | {c['passed']} | {c['failed']} | {c['skipped']} |")
+            counts = f"{c['passed']} | {c['failed']} | {c['skipped']}"
+            lines.append(f"| {suite} | {way} | {counts} | {_calls(suite, way)} |")
         plain = by_way.get("plain", {})
         for way, res in by_way.items():
             for test_id in sorted(set(plain) | set(res)):
