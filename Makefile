@@ -1,22 +1,27 @@
 # `make demo` and `make test` each create .venv when missing, install the project and run.
+# .venv holds the locked development set (requirements-dev.lock: the newest versions, pinned) and
+# the project in editable mode; nox's test sessions live in .nox/ (see noxfile.py).
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
+export NO_MKDOCS_2_WARNING := 1
+export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: demo test lint typecheck bench install-dev install compat
+.PHONY: demo test test-newest test-oldest test-wheel lint typecheck docs bench lock install-dev install compat
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.installed-cli: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q -e ".[all]"
+$(VENV)/.installed-cli: $(BIN)/python pyproject.toml requirements-dev.lock
+	$(BIN)/python -m pip install -q -c requirements-dev.lock -e ".[cli]"
 	@touch $@
 
-$(VENV)/.installed-dev: $(BIN)/python pyproject.toml
-	$(BIN)/python -m pip install -q -e ".[dev]"
+$(VENV)/.installed-dev: $(BIN)/python pyproject.toml requirements-dev.lock
+	$(BIN)/python -m pip install -q -r requirements-dev.lock
+	$(BIN)/python -m pip install -q --no-deps -e .
 	@touch $@ $(VENV)/.installed-cli
 
 install: $(VENV)/.installed-cli
@@ -26,17 +31,36 @@ demo: $(VENV)/.installed-cli
 	$(BIN)/hookax summary --example transformer
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check hookax tests benchmarks docs
-	$(BIN)/ruff format --check hookax tests benchmarks docs
+	$(BIN)/ruff check hookax tests benchmarks docs noxfile.py .ci
+	$(BIN)/ruff format --check hookax tests benchmarks docs noxfile.py .ci
 
 typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
 
-test: lint typecheck
-	$(BIN)/python -m pytest -q
+# The whole suite on the locked newest set, a representative subset on the oldest supported set,
+# the docs site. CI (.ci/run) also runs test-wheel: the built wheel installed with each extra into
+# fresh venvs (about a minute more).
+test: lint typecheck test-newest test-oldest docs
+
+test-newest: $(VENV)/.installed-dev
+	$(BIN)/nox -s newest
+
+test-oldest: $(VENV)/.installed-dev
+	$(BIN)/nox -s oldest
+
+test-wheel: $(VENV)/.installed-dev
+	$(BIN)/nox -s wheel
+
+docs: $(VENV)/.installed-dev
+	$(BIN)/mkdocs build --strict -q
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks
+
+# Refresh the development lock to the newest releases (run `nox -s latest` first).
+lock: $(VENV)/.installed-dev
+	$(BIN)/python -m uv pip compile pyproject.toml --extra dev --python-version 3.11 -q \
+		--upgrade --custom-compile-command "make lock" -o requirements-dev.lock
 
 # Flax's NNX and Linen tests and Equinox's tests, without hookax, with it imported and with a no-op
 # interceptor and hooks around every test; prints a table. Slow (own venv and sources in

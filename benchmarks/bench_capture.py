@@ -7,8 +7,11 @@ A 16-layer NNX MLP (width 512, batch 256). Gradients of every layer's output:
   (``nnx.capture(..., nnx.Perturbation)`` then ``nnx.grad`` over model and perturbations);
 * ``nnx.grad``: parameter gradients only (the floor).
 
-And capture of every layer's output vs no capture. Median wall times over interleaved repetitions,
-ratios, and compiled memory (argument + output + temp bytes from ``memory_analysis()``).
+And capture of every layer's output vs no capture. Then the same 16 layers stacked and run with
+``nnx.scan`` (how deep models are written): ``hx.value_and_grad`` vs ``nnx.grad`` vs a hand-written
+perturbation threaded through the scan as an extra scanned input. Median wall times over
+interleaved repetitions, ratios, and compiled memory (argument + output + temp bytes from
+``memory_analysis()``).
 
 Run: ``PYTHONPATH=. python benchmarks/bench_capture.py``.
 """
@@ -56,6 +59,33 @@ class PerturbMLP(MLP):
         return x
 
 
+class ScanMLP(nnx.Module):
+    """The 16 layers stacked, run with ``nnx.scan``; ``perturbs`` is the hand-threaded version."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        @nnx.split_rngs(splits=DEPTH)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs: nnx.Rngs) -> Layer:
+            return Layer(rngs)
+
+        self.layers = make(rngs)
+
+    def __call__(self, x: jax.Array, perturbs: jax.Array | None = None) -> jax.Array:
+        if perturbs is None:
+
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def body(x: jax.Array, layer: Layer) -> jax.Array:
+                return layer(x)
+
+            return body(x, self.layers)
+
+        @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
+        def threaded(x: jax.Array, layer: Layer, p: jax.Array) -> jax.Array:
+            return layer(x) + p
+
+        return threaded(x, self.layers, perturbs)
+
+
 def loss_fn(model: Any, x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.mean((model(x) - y) ** 2)
 
@@ -91,7 +121,24 @@ def build() -> dict[str, tuple[Callable[..., Any], tuple[Any, ...]]]:
     def plain_fwd(model: Any, x: jax.Array) -> Any:
         return model(x)
 
+    smodel = ScanMLP(nnx.Rngs(0))
+
+    @nnx.jit
+    def scan_hookax_step(model: Any, x: jax.Array, y: jax.Array) -> Any:
+        return hx.value_and_grad(loss_fn, where=Layer)(model, x, y)
+
+    @nnx.jit
+    def scan_threaded_step(model: Any, x: jax.Array, y: jax.Array) -> Any:
+        def loss(model: Any, p: jax.Array) -> Any:
+            return jnp.mean((model(x, p) - y) ** 2)
+
+        p = jnp.zeros((DEPTH, *x.shape))
+        return nnx.value_and_grad(loss, argnums=(0, 1))(model, p)
+
     return {
+        "scan: hx.value_and_grad": (scan_hookax_step, (smodel, x, y)),
+        "scan: threaded perturb": (scan_threaded_step, (smodel, x, y)),
+        "scan: nnx.grad": (grad_step, (smodel, x, y)),
         "hx.value_and_grad": (hookax_step, (model, x, y)),
         "perturb": (perturb_step, (pmodel, perturbations, x, y)),
         "nnx.grad": (grad_step, (model, x, y)),
@@ -122,15 +169,19 @@ def main() -> dict[str, dict[str, float]]:
             "MiB": memory(fn, args) / 2**20,
         }
     print(f"16-layer NNX MLP, width {WIDTH}, batch {BATCH}, jitted, median of {REPS}")
-    print(f"{'':22}{'time (ms)':>10}{'memory (MiB)':>14}{'time ratio':>12}{'mem ratio':>11}")
+    print(f"{'':26}{'time (ms)':>10}{'memory (MiB)':>14}{'time ratio':>12}{'mem ratio':>11}")
     for group, base in (
         (("hx.value_and_grad", "perturb", "nnx.grad"), "perturb"),
+        (
+            ("scan: hx.value_and_grad", "scan: threaded perturb", "scan: nnx.grad"),
+            "scan: threaded perturb",
+        ),
         (("hx.capture", "no capture"), "no capture"),
     ):
         for name in group:
             r, b = results[name], results[base]
             print(
-                f"{name:22}{r['ms']:10.2f}{r['MiB']:14.1f}"
+                f"{name:26}{r['ms']:10.2f}{r['MiB']:14.1f}"
                 f"{r['ms'] / b['ms']:12.2f}{r['MiB'] / b['MiB']:11.2f}"
             )
         print()

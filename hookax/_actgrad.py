@@ -1,18 +1,18 @@
 """``hx.value_and_grad``: gradients of the loss with respect to call-site outputs, no model edits.
 
-The mechanism is NNX's ``perturb`` without the model edits and without activation-sized inputs:
+The mechanism is NNX's ``perturb`` without the model edits, through every transform:
 
-1. the selected call sites and their output shapes are found abstractly (``hx.capture`` under
-   ``eval_shape``: trace time only);
-2. zeros of those shapes are created inside the traced computation and passed as one more
-   argument to the framework's ``value_and_grad``;
-3. while differentiating, an interceptor adds the zeros to each selected output (``x + 0``, which
-   XLA folds away), so the gradient with respect to the zeros is d loss / d output.
+1. the selected call sites' records (key, output structure, shapes, stacked as capture stacks
+   them) are found abstractly: a capture session (``_tags``, *reap*) under ``eval_shape``;
+2. zero probes of those shapes are passed as one more argument to the framework's
+   ``value_and_grad``;
+3. while differentiating, a *plant* session adds each probe to its marked output (``x + 0``,
+   folded by XLA), threading probes into scans, jits, conds and remats as extra inputs
+   (``_tagrules``), so the gradient with respect to a probe is d loss / d output.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import sys
 from collections.abc import Callable
@@ -21,87 +21,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from . import _capture
+from . import _capture, _tags
 from ._errors import HookaxError
 from ._select import CALL_ONLY, as_selector
 
 __all__ = ["value_and_grad"]
 
-
-@dataclasses.dataclass(frozen=True)
-class _Perturber:
-    """The interceptor of the gradient session at ``depth``. Compared by value (a cache key)."""
-
-    depth: int
-
-    def __call__(self, next_fun: Callable[..., Any], args: tuple, kwargs: dict, ctx: Any) -> Any:
-        out = next_fun(*args, **kwargs)
-        return _capture._session(self.depth, "hx.value_and_grad").perturb(ctx, out)
-
-
-class _Session:
-    """One differentiated call in progress: the zeros to add, and how many calls were seen."""
-
-    def __init__(self, depth: int, perturbs: dict[str, tuple[list[Any], ...]]) -> None:
-        self.depth = depth
-        self.perturbs = perturbs
-        self.counts: dict[str, int] = {}
-
-    def interceptor(self) -> Any:
-        return _Perturber(self.depth)
-
-    def attach(self, objs: Any) -> None:
-        pass
-
-    def abandon(self) -> None:
-        pass
-
-    def perturb(self, ctx: Any, out: Any) -> Any:
-        key = ctx.key
-        i = self.counts.get(key, 0)
-        self.counts[key] = i + 1
-        calls = self.perturbs.get(key, ())
-        if i >= len(calls):
-            raise HookaxError(
-                f"hx.value_and_grad: call site {key!r} ({type(ctx.module).__name__}."
-                f"{ctx.method}) ran {i + 1} times while differentiating but {len(calls)} times "
-                f"when its outputs were measured. The function must call the same modules the "
-                f"same number of times for the same inputs (no data-dependent Python control "
-                f"flow, no randomness in which modules run)."
-            )
-        leaves, treedef = jax.tree.flatten(out)
-        zeros = calls[i]
-        if len(leaves) != len(zeros):
-            raise HookaxError(
-                f"hx.value_and_grad: call site {key!r} returned {len(leaves)} arrays while "
-                f"differentiating but {len(zeros)} when its outputs were measured."
-            )
-        new = []
-        for leaf, z in zip(leaves, zeros):
-            if z is not None and jnp.shape(leaf) != z.shape:
-                raise HookaxError(
-                    f"hx.value_and_grad cannot differentiate with respect to call site {key!r} "
-                    f"({type(ctx.module).__name__}.{ctx.method}): it runs inside a transform "
-                    f"that maps or scans it (nnx.vmap, nnx.scan, jax.vmap, ...) within the "
-                    f"differentiated function. Its output has shape {jnp.shape(leaf)} there, "
-                    f"but {z.shape} outside. Gradients of outputs inside such transforms are not "
-                    f"supported; exclude them with where= (e.g. where=hx.Select(paths=...)), or "
-                    f"apply the transform outside hx.value_and_grad."
-                )
-            new.append(leaf if z is None else leaf + z)
-        return jax.tree.unflatten(treedef, new)
-
-    def check_complete(self) -> None:
-        for key, calls in self.perturbs.items():
-            seen = self.counts.get(key, 0)
-            if seen != len(calls):
-                raise HookaxError(
-                    f"hx.value_and_grad: call site {key!r} ran {seen} times while "
-                    f"differentiating but {len(calls)} times when its outputs were measured; "
-                    f"its gradients would be wrong. This happens when it runs inside a jitted "
-                    f"function traced earlier (a jit cache hit runs no Python). Define jitted "
-                    f"inner functions inside the loss function, or jit the whole step instead."
-                )
+WHO = "hx.value_and_grad"
 
 
 def _is_nnx(objs: Any) -> bool:
@@ -144,39 +70,42 @@ def _eqx_value_and_grad(
     return value, (*gs, gp)
 
 
-def _discover(fn: Any, selector: Any, nnx_mode: Any, args: tuple, kwargs: dict) -> dict:
-    """``{key: (tree of ShapeDtypeStruct, ...)}`` of the selected outputs in call order."""
+def _discover(
+    fn: Any, where: Any, mode: Any, args: tuple, kwargs: dict
+) -> tuple[list[Any], list[str]]:
+    """The records a capture of ``fn(*args)`` makes, as ``(key, spec, avals)``, abstractly; and
+    the keys in the order their first call started (the order ``hx.capture`` gives)."""
+    found: list[Any] = []
     order: list[str] = []
 
     def probe(*a: Any, **k: Any) -> Any:
-        acts = _capture.capture_with(fn, selector)(*a, **k)[1]
-        order[:] = acts
-        return acts
+        s = _capture.session(WHO, where, fn, a, k)
+        s.run(fn, *a, **k)
+        found[:] = [(r.key, r.spec) for r in s.session.records]
+        order[:] = list(_capture.collect(s.session))
+        return [r.values for r in s.session.records]
 
-    if nnx_mode == "equinox":
+    if mode == "equinox":
         import equinox as eqx
 
         shapes = eqx.filter_eval_shape(probe, *args, **kwargs)
-    elif nnx_mode:
+    elif mode:
         from flax import nnx
 
         shapes = nnx.eval_shape(probe, *args, **kwargs)
     else:
         shapes = jax.eval_shape(probe, *args, **kwargs)
-    return {key: shapes[key] for key in order}  # pytree outputs come back with sorted keys
+    return [(key, spec, avals) for (key, spec), avals in zip(found, shapes)], order
 
 
-def _zeros(shapes: dict) -> dict[str, tuple[list[Any], ...]]:
-    out = {}
-    for key, calls in shapes.items():
-        out[key] = tuple(
-            [
-                jnp.zeros(s.shape, s.dtype) if jnp.issubdtype(s.dtype, jnp.inexact) else None
-                for s in jax.tree.leaves(call)
-            ]
-            for call in calls
-        )
-    return out
+def _zeros(records: list[Any]) -> list[list[Any]]:
+    return [
+        [
+            jnp.zeros(a.shape, a.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else None
+            for a in avals
+        ]
+        for _, _, avals in records
+    ]
 
 
 def value_and_grad(
@@ -197,9 +126,12 @@ def value_and_grad(
     edits: costs at most what NNX's ``perturb`` costs, in time and memory
     (``benchmarks/bench_capture.py``).
 
-    Works eagerly and under ``jax.jit``/``nnx.jit``; the active selection is part of the jit cache
-    key. Call sites inside a transform that maps or scans them (``nnx.vmap``, ``nnx.scan``) within
-    ``fn`` are not supported and raise :class:`hx.HookaxError`; exclude them with ``where=``.
+    Works wherever :func:`hookax.capture` does, and the gradients are laid out like its values:
+    inside ``nnx.scan``/``lax.scan`` stacked on the scan axis, inside ``vmap`` with the batch
+    axis in front, inside ``jax.jit`` with the model as an argument; the active selection is part
+    of the jit cache key. Call sites whose derivative JAX cannot give (inside ``while_loop``, a
+    ``custom_jvp``/``custom_vjp`` function, or a ``shard_map`` body) raise
+    :class:`hx.HookaxError` naming the call site; exclude them with ``where=``.
 
     Args:
       fn: the loss function; returns a scalar, or ``(scalar, aux)`` with ``has_aux=True``.
@@ -226,7 +158,7 @@ def value_and_grad(
             f"hx.value_and_grad expects a loss function, got {fn!r} of type "
             f"{type(fn).__name__}. Fix: hx.value_and_grad(lambda model, x: model(x).sum())."
         )
-    selector = as_selector(where, CALL_ONLY)
+    as_selector(where, CALL_ONLY)  # a malformed where= raises here
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
 
     @functools.wraps(fn)
@@ -238,19 +170,24 @@ def value_and_grad(
                     f"the {len(args)} given. Pass the model and data positionally: "
                     f"hx.value_and_grad(loss_fn)(model, x, y)."
                 )
-        nnx_mode = _is_nnx((args, kwargs, _capture._roots(fn)))
+        nnx_mode = _is_nnx((args, kwargs, list(_capture.roots(fn))))
         nums_pos = tuple(n % len(args) for n in nums)
         eqx_mode = not nnx_mode and _is_equinox([args[n] for n in nums_pos])
-        shapes = _discover(fn, selector, "equinox" if eqx_mode else nnx_mode, args, kwargs)
-        perturbs = _zeros(shapes)
+        records, order = _discover(fn, where, "equinox" if eqx_mode else nnx_mode, args, kwargs)
+        perturbs = _zeros(records)
         extra = len(args)
 
         def inner(*a: Any) -> Any:
             *fargs, p = a
-            make = functools.partial(_Session, perturbs=p)
-            with _capture.session(fn, tuple(fargs), kwargs, selector, make) as s:
-                out = fn(*fargs, **kwargs)
-                s.check_complete()
+            s = _capture.session(WHO, where, fn, tuple(fargs), kwargs, "plant", p)
+            out = s.run(fn, *fargs, **kwargs)
+            if s.session.used != len(p):
+                key = records[s.session.used][0]
+                raise HookaxError(
+                    f"{WHO}: call site {key!r} ran fewer times while differentiating than when "
+                    f"its outputs were measured; its gradients would be wrong. The function must "
+                    f"call the same modules the same number of times for the same inputs."
+                )
             return out
 
         if eqx_mode:
@@ -264,13 +201,9 @@ def value_and_grad(
                 vg = jax.value_and_grad(inner, argnums=(*nums_pos, extra), has_aux=has_aux)
             value, g = vg(*args, perturbs)
         grads = g[0] if not isinstance(argnums, tuple) else tuple(g[:-1])
-        act_grads = {
-            key: tuple(
-                jax.tree.unflatten(jax.tree.structure(call), leaves)
-                for call, leaves in zip(shapes[key], calls)
-            )
-            for key, calls in ((k, g[-1][k]) for k in shapes)
-        }
-        return value, grads, act_grads
+        act_grads: dict[str, list[Any]] = {k: [] for k in order}
+        for (key, spec, _), leaves in zip(records, g[-1]):
+            act_grads.setdefault(key, []).append(_tags.unwrap(spec.rebuild(list(leaves))))
+        return value, grads, {k: tuple(v) for k, v in act_grads.items()}
 
     return wrapped

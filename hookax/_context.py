@@ -53,9 +53,21 @@ def active_entries() -> tuple[Any, ...]:
 class _Local(threading.local):
     def __init__(self) -> None:
         self.stack: list[Frame] = []
+        self.trackers: dict[Any, list[Any]] = {}  # entry -> its _intercept.Tracker(s)
 
 
 _LOCAL = _Local()
+
+
+def trackers() -> dict[Any, list[Any]]:
+    """The ``where=`` trackers of the user's ``intercept``/``hooks`` blocks on this thread."""
+    return _LOCAL.trackers
+
+
+def note_match(entry: Any, ctx: Context, hit: bool) -> None:
+    """Tell the trackers of ``entry`` whether its selector picked the call site ``ctx``."""
+    for tracker in _LOCAL.trackers.get(entry, ()):
+        tracker.note(ctx, hit)
 
 
 def call_stack() -> list[Frame]:

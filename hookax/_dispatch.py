@@ -16,6 +16,7 @@ from . import _context, _errors
 __all__ = ["call"]
 
 _active = _context._ACTIVE_VALUE
+_trackers = _context.trackers
 
 
 def _describe(frame: _context.Frame) -> str:
@@ -74,7 +75,15 @@ def _run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dic
     if not entries:
         return inner(*args, **kwargs)
     ctx = frame.context = _context.Context(frame, inner)
-    chain = [e for e in entries if e.kind == "intercept" and e.selector.matches(ctx)]
+    chain = []
+    tracking = _trackers()
+    for e in entries:
+        if e.kind == "intercept":
+            hit = e.selector.matches(ctx)
+            if hit:
+                chain.append(e)
+            if tracking:
+                _context.note_match(e, ctx, hit)
     if not chain:
         return inner(*args, **kwargs)
     return _link(chain, 0, inner, ctx, frame)(*args, **kwargs)

@@ -37,7 +37,9 @@ def _tree_str(tree: Any) -> str:
     return str(jax.tree.map(describe, tree))
 
 
-def check_like(expected: Any, got: Any, what: str, where: str, fix: str) -> None:
+def check_like(
+    expected: Any, got: Any, what: str, where: str, fix: str, *, none_is_zero: bool = False
+) -> None:
     """Raise :class:`HookError` unless ``got`` has ``expected``'s tree structure, shapes, dtypes.
 
     Args:
@@ -46,18 +48,26 @@ def check_like(expected: Any, got: Any, what: str, where: str, fix: str) -> None
       what: what the value is, e.g. ``"forward hook f's output"``.
       where: the call site, e.g. ``"call site 'layers/0' (Linear.__call__)"``.
       fix: the way out, shown last.
+      none_is_zero: a gradient tree: None may stand for any array leaf (a zero gradient).
     """
     head = f"{what} at {where}"
-    exp_def: Any = jax.tree.structure(expected)
-    got_def: Any = jax.tree.structure(got)
+    is_leaf = (lambda x: x is None) if none_is_zero else None
+    exp_def: Any = jax.tree.structure(expected, is_leaf=is_leaf)
+    got_def: Any = jax.tree.structure(got, is_leaf=is_leaf)
     if exp_def != got_def:
         raise HookError(
             f"{head} has the wrong tree structure: expected {_tree_str(expected)}, "
             f"got {_tree_str(got)}. Fix: {fix}"
         )
-    paths = jax.tree_util.tree_flatten_with_path(expected)[0]
-    for (path, e), g in zip(paths, jax.tree.leaves(got)):
-        if getattr(e, "shape", None) is None or getattr(e, "dtype", None) is None:
+    paths = jax.tree_util.tree_flatten_with_path(expected, is_leaf=is_leaf)[0]
+    for (path, e), g in zip(paths, jax.tree.leaves(got, is_leaf=is_leaf)):
+        if none_is_zero and e is None and g is not None:
+            leaf = jax.tree_util.keystr(path) or "the value"
+            raise HookError(
+                f"{head} has a gradient at {leaf}, which has none (not a float array): "
+                f"expected None, got {describe(g)}. Fix: {fix}"
+            )
+        if g is None or getattr(e, "shape", None) is None or getattr(e, "dtype", None) is None:
             continue
         if getattr(g, "shape", None) != e.shape or getattr(g, "dtype", None) != e.dtype:
             leaf = jax.tree_util.keystr(path) or "the value"

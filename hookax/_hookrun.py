@@ -2,9 +2,9 @@
 
 At each call site, for each kind of hook: the scoped hooks (``hx.hooks`` blocks, outermost block
 first) run before the module's own hooks, as PyTorch runs its global module hooks before a
-module's hooks; the module's own run in registration order, ``prepend=True`` ones first. Which
-hooks run is decided when the call starts: hooks added or removed during the call take effect at
-the next call.
+module's hooks; the module's own run in registration order, ``prepend=True`` ones first. As in
+PyTorch, the pre-hooks and backward hooks of a call are read when it starts and its forward hooks
+after the method returns: a pre-hook that removes a forward hook stops it in the same call.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 from . import _context, _hooks
 from ._errors import HookError
 from ._grad import wrap_site
-from ._hookcheck import check_like, hook_name, noted_call
+from ._hookcheck import hook_name, noted_call
 
 __all__ = ["run"]
 
@@ -25,25 +25,40 @@ Rec = Any  # a _hooks.HookRecord (not imported by name: _hooks imports this modu
 _active = _context._ACTIVE_VALUE
 
 
-def _collect(frame: _context.Frame, fn: Callable[..., Any]) -> dict[str, list[Rec]] | None:
+def _collect(frame: _context.Frame) -> dict[str, list[Rec]] | None:
     """The hooks of this call, by kind, in run order; None when there are none."""
-    module, method = frame.module, frame.method
+    method = frame.method
     found: dict[str, list[Rec]] = {}
     entries = _active.value
     if entries:
         ctx = frame.context  # built once per call site by the dispatcher
+        tracking = _context.trackers()
         for e in entries:
             if e.kind != "hooks" or not e.fn:
                 continue
-            if e.selector.matches(ctx):
+            hit = e.selector.matches(ctx)
+            if tracking and ctx is not None:
+                _context.note_match(e, ctx, hit)
+            if hit:
                 for r in e.fn:
                     found.setdefault(r.kind, []).append(r)
-    hs = vars(module).get(_hooks.ATTR)
+    hs = vars(frame.module).get(_hooks.ATTR)
     if hs is not None:
         for r in hs.records:
             if method in r.methods:
                 found.setdefault(r.kind, []).append(r)
     return found or None
+
+
+def _forward_hooks(frame: _context.Frame, found: dict[str, list[Rec]]) -> list[Rec]:
+    """The forward hooks of this call: the scoped ones (token 0) found when it started, then the
+    module's own as they are now (PyTorch reads a module's forward hooks after ``forward``)."""
+    out = [r for r in found.get("forward", ()) if not r.token]
+    hs = vars(frame.module).get(_hooks.ATTR)
+    if hs is not None:
+        method = frame.method
+        out += [r for r in hs.records if r.kind == "forward" and method in r.methods]
+    return out
 
 
 def _where(frame: _context.Frame) -> str:
@@ -71,33 +86,36 @@ def _pre(r: Rec, frame: _context.Frame, args: tuple, kwargs: dict) -> tuple[tupl
 
 
 def _post(r: Rec, frame: _context.Frame, args: tuple, kwargs: dict, out: Any) -> Any:
+    """Run forward hook ``r``; it may return an output of any structure, as in PyTorch."""
     note = f"hookax: raised in forward hook {hook_name(r.fn)} at {_where(frame)}"
     if r.with_kwargs:
         res = noted_call(r.fn, note, frame.module, args, kwargs, out)
     else:
         res = noted_call(r.fn, note, frame.module, args, out)
-    if res is None or out is None:
-        return out
-    fix = "return None to keep the output, or a value like it (e.g. `return output * 2`)."
-    check_like(out, res, f"forward hook {hook_name(r.fn)}'s output", _where(frame), fix)
-    return res
+    return out if res is None else res
 
 
 def _always(
     frame: _context.Frame,
-    hooks: list[Rec],
+    found: dict[str, list[Rec]],
+    called: list[Rec],
     args: tuple,
     kwargs: dict,
     out: Any,
     error: BaseException,
 ) -> None:
-    """Run the ``always_call`` forward hooks that did not run, after ``error`` was raised.
+    """Run the ``always_call`` forward hooks not run yet (not in ``called``) after ``error``.
 
-    ``out`` is None when the method raised, else the output so far (a later hook raised).
+    As in PyTorch: the list is read now; ``out`` is None when a pre-hook or the method raised,
+    else the output so far (a forward hook raised); a hook that raises is silenced with a
+    warning, and the next one runs.
     """
-    for r in hooks:
+    for r in _forward_hooks(frame, found):
+        if not r.always_call or any(c is r for c in called):
+            continue
         try:
-            _post(r, frame, args, kwargs, out)
+            res = _post(r, frame, args, kwargs, out)
+            out = res if res is not None else out
         except Exception as e:
             warnings.warn(
                 f"hookax: forward hook {hook_name(r.fn)} (always_call=True) at {_where(frame)} "
@@ -109,27 +127,33 @@ def _always(
 
 
 def run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    """Pre-hooks, then the method, then forward hooks; backward identities on the way out."""
-    found = _collect(frame, fn)
+    """Pre-hooks, then the method, then forward hooks; backward identities on the way out.
+
+    As in PyTorch's ``Module._call_impl``: whether the call has hooks at all, and which pre-hooks
+    and backward hooks it has, is read when it starts; the forward hooks after the method
+    returns. When a pre-hook, the method or a forward hook raises (an ``Exception``), the
+    ``always_call`` forward hooks that did not run yet run, and the exception propagates.
+    """
+    found = _collect(frame)
     if found is None:
         return fn(frame.module, *args, **kwargs)
-    for r in found.get("forward_pre", ()):
-        args, kwargs = _pre(r, frame, args, kwargs)
-    bpre, bpost = found.get("backward_pre", []), found.get("backward", [])
-    wrap_output = None
-    if bpre or bpost:
-        pre_fns, post_fns = [r.fn for r in bpre], [r.fn for r in bpost]
-        args, wrap_output = wrap_site(frame.module, args, pre_fns, post_fns, _where(frame))
-    forward = found.get("forward", [])
-    pending = [r for r in forward if r.always_call]
+    called: list[Rec] = []
     out = None
     try:
+        for r in found.get("forward_pre", ()):
+            args, kwargs = _pre(r, frame, args, kwargs)
+        bpre, bpost = found.get("backward_pre"), found.get("backward")
+        wrap_output = None
+        if bpre or bpost:
+            pre_fns = [r.fn for r in bpre or ()]
+            post_fns = [r.fn for r in bpost or ()]
+            args, wrap_output = wrap_site(frame.module, args, pre_fns, post_fns, _where(frame))
         out = fn(frame.module, *args, **kwargs)
-        for r in forward:
+        for r in _forward_hooks(frame, found):
             if r.always_call:
-                pending.remove(r)
+                called.append(r)
             out = _post(r, frame, args, kwargs, out)
-    except BaseException as e:
-        _always(frame, pending, args, kwargs, out, e)
+    except Exception as e:
+        _always(frame, found, called, args, kwargs, out, e)
         raise
     return out if wrap_output is None else wrap_output(out)

@@ -23,7 +23,7 @@ from . import frameworks as _frameworks
 from ._errors import HookaxError, SelectorError
 from ._fnkey import FnKey
 from ._hookcheck import check_arity
-from ._intercept import Entry, scoped
+from ._intercept import Entry, tracked
 from ._select import CALL_ONLY, as_selector
 
 __all__ = [
@@ -55,6 +55,7 @@ class HookRecord:
     with_kwargs: bool = False
     always_call: bool = False
     prepend: bool = False
+    # The registration's id (HookHandle.id); 0 for a scoped hook (hx.hooks).
     token: int = dataclasses.field(default=0, compare=False, repr=False)
     # The function's value-stable key (see _fnkey): a hook re-created with the same code over
     # the same objects gives an equal record, so an equal graphdef and jit cache key.
@@ -62,6 +63,24 @@ class HookRecord:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "key", FnKey(self.fn))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The key (code objects) does not pickle: rebuild it. A copy gets a new token, so a
+        # handle removes its hooks from the modules it was registered on only, as in PyTorch.
+        options = (self.methods, self.with_kwargs, self.always_call, self.prepend)
+        return (_restore, (self.kind, self.fn, *options))
+
+
+def _restore(
+    kind: str,
+    fn: Any,
+    methods: tuple[str, ...],
+    with_kwargs: bool,
+    always_call: bool,
+    prepend: bool,
+) -> HookRecord:
+    """A :class:`HookRecord` from a pickle or a deepcopy, with a token of its own."""
+    return HookRecord(kind, fn, methods, with_kwargs, always_call, prepend, next(_TOKENS))
 
 
 class HookSet:
@@ -107,11 +126,41 @@ def hook_set(module: Any) -> HookSet | None:
 
 
 def _store(module: Any, hs: HookSet | None) -> None:
-    if hs is not None:
-        setattr(module, ATTR, hs)
+    if hs is None:
+        if ATTR in vars(module):
+            delattr(module, ATTR)
     elif ATTR in vars(module):
-        delattr(module, ATTR)
+        # Replacing the set. Not through NNX's __setattr__: a hook may remove a hook while a
+        # transform traces the module (e.g. under nnx.jit), where NNX refuses to mutate the
+        # module from a different trace level; the attribute is static and already declared.
+        object.__setattr__(module, ATTR, hs)
+    else:
+        setattr(module, ATTR, hs)
     _context.track_hooked(module, hs is not None)
+
+
+def _drop(module: Any, token: int) -> None:
+    hs = hook_set(module)
+    if hs is not None and any(r.token == token for r in hs.records):
+        _store(module, hs.without(token))
+
+
+def _copies_in_call(token: int) -> None:
+    """Drop ``token``'s hooks from the modules of the calls in progress on this thread.
+
+    Inside a transform (``nnx.jit``, ``jax.jit`` over modules...) a hook runs on a copy of the
+    module rebuilt from its graphdef, which ``nnx.jit`` writes back when the call returns: the
+    hook removed from the original only would come back, and would still run in this call.
+    """
+    stack = _context.call_stack()
+    seen: set[int] = set()
+    for frame in stack:
+        if id(frame.module) in seen or getattr(frame.adapter, "name", None) != "nnx":
+            continue
+        for _, m in frame.adapter.iter_modules(frame.module):
+            if id(m) not in seen:
+                seen.add(id(m))
+                _drop(m, token)
 
 
 class HookHandle:
@@ -129,9 +178,10 @@ class HookHandle:
         refs, self._modules = self._modules, []
         for ref in refs:
             module = ref()
-            hs = hook_set(module) if module is not None else None
-            if hs is not None:
-                _store(module, hs.without(self.id))
+            if module is not None:
+                _drop(module, self.id)
+        if refs and _context.call_stack():
+            _copies_in_call(self.id)
 
     def __enter__(self) -> HookHandle:
         return self
@@ -275,16 +325,17 @@ def register_forward_hook(
     """Run ``hook`` after each call of ``module`` (PyTorch's ``register_forward_hook``).
 
     ``hook(module, args, output) -> None | new_output``; with ``with_kwargs=True``:
-    ``hook(module, args, kwargs, output)``. A new output must have the output's tree structure,
-    shapes and dtypes. With ``always_call=True`` the hook also runs, with ``output=None``, when the
-    method raised; the original exception then propagates.
+    ``hook(module, args, kwargs, output)``. A new output may have another structure or shape, as
+    in PyTorch. The forward hooks of a call are read after the method returns. With
+    ``always_call=True`` the hook also runs, with ``output=None``, when a pre-hook or the method
+    raised; the original exception then propagates.
 
     Args:
       module: the NNX module to hook.
       hook: the hook.
       where: hook every submodule of ``module`` that matches instead.
       with_kwargs: pass the keyword arguments too.
-      always_call: also run when the method (or a hook after it) raised.
+      always_call: also run when a pre-hook, the method or a forward hook raised.
       prepend: run before the hooks already registered.
 
     Returns:
@@ -312,16 +363,19 @@ def register_full_backward_pre_hook(
 ) -> HookHandle:
     """Run ``hook`` when JAX computes the gradient of ``module``'s output.
 
-    ``hook(module, grad_output) -> None | new_grad_output``; ``grad_output`` has the output's
-    tree (None for a non-float leaf). A replacement is the gradient that flows on. The hook runs
-    while JAX differentiates (``jax.grad``, ``nnx.grad``, ``jax.vjp``), so it must be
-    JAX-traceable; print values with ``jax.debug.print``.
+    ``hook(module, grad_output) -> None | new_grad_output``. As in PyTorch, ``grad_output`` is a
+    tuple with one entry per output: an array output gives a 1-tuple, a tuple output its entries,
+    any other pytree output a 1-tuple of the tree; an entry is None where there is no gradient (no
+    float array, or an output that does not reach the loss). A replacement is a tuple like it (a
+    None entry: zero) and is the gradient that flows on. The hook runs while JAX differentiates
+    (``jax.grad``, ``nnx.grad``, ``jax.vjp``), so it must be JAX-traceable; print values with
+    ``jax.debug.print``.
 
     >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
     >>> import hookax as hx
     >>> model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
-    >>> _ = hx.register_full_backward_pre_hook(model, lambda m, g: g * 3)
+    >>> _ = hx.register_full_backward_pre_hook(model, lambda m, g: (g[0] * 3,))
     >>> nnx.grad(lambda m, x: m(x).sum(), argnums=1)(model, jnp.ones((1, 1))) / model.kernel[...]
     Array([[3.]], dtype=float32)
     >>> hx.remove_hooks(model)
@@ -335,11 +389,23 @@ def register_full_backward_hook(
 ) -> HookHandle:
     """Run ``hook`` when JAX computes the gradients of ``module``'s positional inputs.
 
-    ``hook(module, grad_input, grad_output) -> None | new_grad_input``: ``grad_input`` is a tuple,
-    one entry per positional argument (None for an argument with no float arrays);
-    ``grad_output`` has the output's tree. A replacement is the gradient that flows on to the
-    inputs; a None entry in it means a zero gradient (as in PyTorch). JAX-traceable, like
+    ``hook(module, grad_input, grad_output) -> None | new_grad_input``: as in PyTorch,
+    ``grad_input`` is a tuple with one entry per positional argument (None for an argument with
+    no float arrays, or not differentiated) and ``grad_output`` the tuple of
+    :func:`register_full_backward_pre_hook`. A replacement is the gradient that flows on to the
+    inputs; a None entry in it means a zero gradient. When no input is differentiated (the first
+    layer, or gradients of the parameters only) the hook still runs, with ``grad_input`` all
+    None, and must return None (or all None), as in PyTorch. JAX-traceable, like
     :func:`register_full_backward_pre_hook`.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import hookax as hx
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> h = hx.register_full_backward_hook(model, lambda m, gi, go: print(gi, go[0].shape))
+    >>> _ = nnx.grad(lambda m, x: m(x).sum())(model, jnp.ones((3, 2)))  # parameters only
+    (None,) (3, 1)
+    >>> h.remove()
     """
     rec = HookRecord("backward", hook, prepend=prepend)
     return _register(module, rec, where, "register_full_backward_hook")
@@ -359,11 +425,13 @@ def hooks(
     backward_pre: Callable[..., Any] | None = None,
     backward: Callable[..., Any] | None = None,
     with_kwargs: bool = False,
+    always_call: bool = False,
 ) -> contextlib.AbstractContextManager[None]:
     """Hooks on every selected call site, for a ``with`` block on this thread.
 
     Same signatures and semantics as the ``register_*`` functions (``forward_pre`` and
-    ``forward`` get keyword arguments when ``with_kwargs=True``). At each call site scoped hooks
+    ``forward`` get keyword arguments when ``with_kwargs=True``; ``forward`` also runs when a
+    pre-hook or the method raised when ``always_call=True``). At each call site scoped hooks
     run before the module's own hooks of the same kind, as PyTorch's global module hooks do;
     nested blocks run outermost first. Cache-correct under jit like :func:`~hookax.intercept`:
     pass the same hook objects to hit the caches.
@@ -389,5 +457,7 @@ def hooks(
             )
         kw = with_kwargs and kind in ("forward_pre", "forward")
         check_arity(fn, kind, kw, "hooks", f"the call sites where={where!r} selects")
-        records.append(HookRecord(kind, fn, with_kwargs=kw))
-    return scoped(Entry("hooks", tuple(records), as_selector(where, CALL_ONLY)))
+        always = always_call and kind == "forward"
+        records.append(HookRecord(kind, fn, with_kwargs=kw, always_call=always))
+    entry = Entry("hooks", tuple(records), as_selector(where, CALL_ONLY))
+    return tracked(entry, "hx.hooks", where)

@@ -94,6 +94,44 @@ def scoped(entry: Entry) -> Iterator[None]:
         yield
 
 
+class Tracker:
+    """Which call sites ran while a user's ``intercept``/``hooks`` block was active, and whether
+    its selector picked any: a ``where=`` that picks none of those that ran is an error."""
+
+    __slots__ = ("matched", "seen")
+
+    def __init__(self) -> None:
+        self.seen: set[tuple[str, str]] = set()
+        self.matched = False
+
+    def note(self, ctx: _context.Context, hit: bool) -> None:
+        if hit:
+            self.matched = True
+        elif not self.matched:
+            self.seen.add((ctx.key, ctx.path_str))
+
+
+@contextlib.contextmanager
+def tracked(entry: Entry, who: str, where: Any) -> Iterator[None]:
+    """:func:`scoped`, raising ``SelectorError`` at the end of a block in which call sites ran
+    but ``where=`` picked none of them (nothing runs on a jit cache hit: then nothing is said)."""
+    from ._select import check_matched
+
+    tracker = Tracker()
+    entry = _intern(entry)
+    mine = _context.trackers().setdefault(entry, [])
+    mine.append(tracker)
+    try:
+        with scoped(entry):
+            yield
+    finally:
+        mine.remove(tracker)
+        if not mine:
+            del _context.trackers()[entry]
+    if tracker.seen and not tracker.matched:
+        check_matched(who, where, entry.selector, tracker)
+
+
 def intercept(interceptor: Interceptor, *, where: Any = None) -> contextlib.AbstractContextManager:
     """Intercept module method calls in this thread for the duration of a ``with`` block.
 
@@ -135,4 +173,4 @@ def intercept(interceptor: Interceptor, *, where: Any = None) -> contextlib.Abst
     check_arity(
         interceptor, "intercept", False, "intercept", f"the call sites where={where!r} selects"
     )
-    return scoped(Entry("intercept", FnKey(interceptor), selector))
+    return tracked(Entry("intercept", FnKey(interceptor), selector), "hx.intercept", where)

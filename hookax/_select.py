@@ -12,6 +12,7 @@ import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from ._context import path_str
 from ._errors import SelectorError
 
 if TYPE_CHECKING:
@@ -78,6 +79,30 @@ def glob_to_regex(pattern: str) -> re.Pattern[str]:
     return re.compile(out)
 
 
+_GLOB_BAD = re.compile(r"[\[\]?{}!]|\*\*\*|\*\*[^/]|[^/]\*\*|//|^/|/$")
+
+
+def check_glob(pattern: str) -> None:
+    """Refuse a path glob hookax would read differently from what its author meant.
+
+    Only ``*`` (within one segment) and ``**`` (a whole segment: any number of segments) are
+    special; ``[``, ``?``, ``{`` and empty segments are mistakes (fnmatch or regex habits).
+
+    >>> check_glob("layers/*/attn")
+    >>> check_glob("layers/[")
+    Traceback (most recent call last):
+    ...
+    hookax._errors.SelectorError: malformed path glob 'layers/[': ...
+    """
+    if pattern and _GLOB_BAD.search(pattern):
+        raise SelectorError(
+            f"malformed path glob {pattern!r}: hookax globs use '/' between path segments, '*' "
+            "for any part of one segment and '**' as a whole segment for any number of them; "
+            "'[', ']', '?', '{', '}', '!', '***' and empty segments are not allowed. Fix: e.g. "
+            "'layers/*/attn', '**/mlp' or 'layers/0'."
+        )
+
+
 def _as_tuple(x: Any) -> tuple[Any, ...] | None:
     if x is None:
         return None
@@ -117,6 +142,8 @@ class Select(Selector):
                 f"Select(paths=...) takes a glob string or a tuple of them, got {self.paths!r}. "
                 'Fix: Select(paths="layers/*/attn").'
             )
+        for p in paths or ():
+            check_glob(p)
         if methods is not None and methods != ALL_METHODS:
             methods = _as_tuple(methods)
             if not all(isinstance(m, str) for m in methods or ()):
@@ -241,13 +268,40 @@ class _WithMethods(Selector):
         return f"{self.inner!r} (methods {self.methods!r})"
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Instance(Selector):
+    """One module instance (and the copies an NNX transform makes of it inside its body)."""
+
+    module: Any
+
+    def matches(self, ctx: Context) -> bool:
+        adapter = ctx._frame.adapter
+        aliases = getattr(adapter, "aliases", None)
+        if aliases is None:
+            return ctx.module is self.module
+        return any(m is self.module for m in aliases(ctx.module))
+
+    def __repr__(self) -> str:
+        return f"<{type(self.module).__name__} instance at {id(self.module):#x}>"
+
+
+def _is_module(obj: Any) -> bool:
+    from . import frameworks
+
+    return not isinstance(obj, type) and frameworks.adapter_for(obj) is not None
+
+
 def _coerce(where: Any) -> Selector:
     if isinstance(where, Selector):
         return where
+    if isinstance(where, list) and where and all(isinstance(t, type) for t in where):
+        where = tuple(where)
     if isinstance(where, type) or (
         isinstance(where, tuple) and where and all(isinstance(t, type) for t in where)
     ):
         return Select(types=where)
+    if _is_module(where):
+        return _Instance(where)
     if isinstance(where, str):
         return Select(paths=where)
     if callable(where):
@@ -271,3 +325,73 @@ def as_selector(where: Any, default_methods: tuple[str, ...] | str) -> Selector:
     if sel.names_methods():
         return sel
     return _WithMethods(sel, default_methods)
+
+
+def _globs(sel: Any) -> list[str]:
+    """The path globs a selector requires to match (not those under ``~``)."""
+    if isinstance(sel, Select):
+        return list(sel.paths or ())
+    if isinstance(sel, _And | _Or):
+        return _globs(sel.a) + _globs(sel.b)
+    if isinstance(sel, _WithMethods):
+        return _globs(sel.inner)
+    return []
+
+
+def resolve_instances(where: Any, objs: Any) -> Any:
+    """``where=`` with a module instance turned into its path below a module in ``objs``.
+
+    Inside ``jax.jit`` a module passed as an argument is rebuilt, so identity cannot select it;
+    its path can. An instance not found below ``objs`` stays an identity selector.
+    """
+    if not _is_module(where):
+        return where
+    import jax
+
+    from . import frameworks
+
+    leaves = jax.tree.leaves(objs, is_leaf=_is_module)
+    for leaf in leaves:
+        adapter = frameworks.adapter_for(leaf)
+        if adapter is None or not hasattr(adapter, "iter_modules"):
+            continue
+        for path, m in adapter.iter_modules(leaf):
+            if m is where:
+                return Select(types=type(where), paths=path_str(path) or "")
+    return where
+
+
+def check_matched(who: str, where: Any, selector: Selector, session: Any) -> None:
+    """Raise :class:`SelectorError` when ``where=`` selected nothing that ran, or a glob matched
+    nothing, naming the nearest call sites that did run."""
+    seen = sorted(session.seen)
+    if not session.matched and not getattr(session, "records", None):
+        if not seen:
+            if where is None:
+                raise SelectorError(
+                    f"{who}: the function called no module, so there is nothing to capture. "
+                    f"Fix: pass the model, or a function that calls it: {who}(model)(x)."
+                )
+            return  # the Python did not run (a cached trace): the first call checked it
+        raise SelectorError(
+            f"{who}(where={where!r}) matched no call site; those that ran include "
+            f"{_nearest(str(where), seen)}. Fix: pass a where= that matches one of them."
+        )
+    if not seen:
+        return
+    paths = {p for _, p in seen}
+    for glob in _globs(selector):
+        rx = glob_to_regex(glob)
+        if not any(rx.fullmatch(p) for p in paths):
+            raise SelectorError(
+                f"{who}(where={where!r}): the path glob {glob!r} matched no call site; those "
+                f"that ran include {_nearest(glob, seen)}. Fix: correct the path."
+            )
+
+
+def _nearest(target: str, seen: list[tuple[str, str]]) -> str:
+    import difflib
+
+    keys = [k for k, _ in seen]
+    near = difflib.get_close_matches(target, keys, n=6, cutoff=0.0) or keys[:6]
+    return ", ".join(repr(k) for k in near)

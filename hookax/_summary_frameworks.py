@@ -1,26 +1,30 @@
 """How :func:`hookax.summary` sees Flax Linen and Equinox models (NNX: ``_summary_trace``).
 
 The same abstract recipe as for NNX: the model's arrays become ``jax.ShapeDtypeStruct``\\ s, the
-call is traced by ``jax.jit(...).lower`` with an interceptor recording every call site, and each
+call is traced by ``jax.jit(...).trace`` with an interceptor recording every call site, and each
 call site's FLOPs come from lowering its method alone.
 
 * Linen: an unbound module's variables come from ``jax.eval_shape`` of ``init`` (nothing is
-  allocated); a bound module's own variables are used. Parameters are the ``"params"``
-  collection, counted under the scope path of the module that owns them.
-* Equinox: the model is split with ``eqx.partition`` into arrays and the rest. Parameters are its
-  floating-point arrays (Equinox's convention), an array held in two places counted once.
+  allocated); a bound module's own variables are used. Every collection is counted under the
+  scope path of the module that owns it; ``"params"`` is the trainable one.
+* Equinox: the model is split with ``eqx.partition`` into arrays and the rest. Trainable
+  parameters are its floating-point arrays (Equinox's convention), the other arrays (integer
+  buffers, PRNG keys) are listed as ``"other arrays"``; an array held in two places is counted
+  once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator
+import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
 from . import _summary_trace as trace
-from ._intercept import intercept
+from ._errors import HookaxError
+from ._specs import describe
 
 __all__ = ["backend"]
 
@@ -34,45 +38,41 @@ def _is_array(x: Any) -> bool:
     return isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct)
 
 
-def _size(x: Any) -> tuple[int, int]:
-    n = int(np.prod(x.shape, dtype=np.int64))
-    return n, n * np.dtype(x.dtype).itemsize
+def _inexact(x: Any) -> bool:
+    try:
+        return bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
+    except TypeError:  # PRNG keys
+        return False
 
 
-def _is_param(x: Any) -> bool:
-    return _is_array(x) and bool(jax.numpy.issubdtype(x.dtype, jax.numpy.inexact))
-
-
-def _table(
-    modules: list[tuple[tuple[Any, ...], Any]],
-    below_of: Any,
-    direct_of: Any,
-) -> trace.ParamTable:
-    """A ParamTable from each module's parameters (with submodules) and its own parameters."""
-    sizes: dict[int, tuple[int, int]] = {}
-    owners: dict[int, list[tuple[Any, ...]]] = {}
-    below: dict[tuple[Any, ...], set[int]] = {}
-    direct: dict[tuple[Any, ...], set[int]] = {}
-    for path, module in modules:
-        below[path] = set()
-        for x in below_of(path, module):
-            sizes.setdefault(id(x), _size(x))
-            below[path].add(id(x))
-        direct[path] = {id(x) for x in direct_of(path, module)}
-        for vid in direct[path]:
-            owners.setdefault(vid, []).append(path)
-    return trace.assemble_params(sizes, owners, below, direct)
+def _linen_train_kwargs(model: Any, method: str, train: bool | None) -> dict[str, Any]:
+    """Linen's convention for training behaviour: ``deterministic=`` or ``train=`` arguments."""
+    if train is None:
+        return {}
+    params = inspect.signature(getattr(type(model), method)).parameters
+    if "deterministic" in params:
+        return {"deterministic": not train}
+    if "train" in params:
+        return {"train": train}
+    if "training" in params:
+        return {"training": train}
+    raise HookaxError(
+        f"hx.summary(train={train}): {type(model).__name__}.{method} takes no deterministic=, "
+        "train= or training= argument to switch. Fix: pass the model's own switch as a keyword "
+        "argument to hx.summary, or leave train=None."
+    )
 
 
 class _Linen:
     """Linen: ``apply`` on abstract variables."""
 
-    flops_of = staticmethod(trace.flops_of)
-
     def __init__(self) -> None:
         self.variables: Any = None
 
-    def trace_calls(self, model: Any, args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    def trace_calls(
+        self, model: Any, args: tuple, kwargs: dict, *, method: str, train: bool | None
+    ) -> trace.Whole:
+        kwargs = {**_linen_train_kwargs(model, method, train), **kwargs}
         flat = trace.Flat.of((args, kwargs))
         if model.scope is not None:
             model, variables = model.unbind()
@@ -81,113 +81,94 @@ class _Linen:
             def init(dynamic: list[Any]) -> Any:
                 a, k = flat.rebuild(dynamic)
                 key = jax.random.key(0)
-                return model.init({"params": key, "dropout": key}, *a, **k)
+                return model.init({"params": key, "dropout": key}, *a, method=method, **k)
 
             variables = jax.eval_shape(init, flat.dynamic)
         self.variables = trace.abstract(dict(variables))
         mutable = [c for c in self.variables if c != "params"] or False
+        key = jax.random.key(0)
 
         def forward(variables: Any, dynamic: list[Any]) -> Any:
             a, k = flat.rebuild(dynamic)
-            return model.apply(variables, *a, mutable=mutable, **k)
+            rngs = {"dropout": key}
+            return model.apply(variables, *a, method=method, mutable=mutable, rngs=rngs, **k)
 
-        recorder = trace._Recorder(site=_linen_site)
-        with intercept(recorder):
-            lowered = jax.jit(forward).lower(self.variables, flat.dynamic)
-        return recorder.records, lowered
+        return trace.trace_whole(forward, (self.variables, flat.dynamic), _linen_site)
 
-    def param_table(self, model: Any) -> trace.ParamTable:
-        params = self.variables.get("params", {}) if self.variables else {}
-        leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-        named = [(tuple(k.key for k in kp[:-1]), x) for kp, x in leaves]
-        paths = sorted({p[:i] for p, _ in named for i in range(len(p) + 1)}, key=len)
-        return _table(
-            [(p, None) for p in paths],
-            lambda path, _: [x for p, x in named if p[: len(path)] == path],
-            lambda path, _: [x for p, x in named if p == path],
-        )
-
-    @staticmethod
-    def lower_flops(site: Any, cache: dict[Hashable, int | None]) -> int | None:
-        def run(variables: Any, module: Any, dynamic: list[Any]) -> Any:
-            a, k = site.args.rebuild(dynamic)
-            return module.apply(variables, *a, method=site.method, mutable=True, **k)
-
-        return _lower(site, cache, run)
+    def collections(self, model: Any, variables: bool) -> trace.Collections:
+        entries = []
+        own: dict[tuple[Any, ...], list[str]] = {}
+        for coll, tree in (self.variables or {}).items():
+            name = trace.TRAINABLE if coll == "params" else coll
+            for kp, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                keys = tuple(getattr(k, "key", k) for k in kp)
+                module = keys[:-1]
+                for i in range(len(module) + 1):
+                    entries.append((module[:i], name, id(x), x, i == len(module)))
+                if variables:
+                    own.setdefault(module, []).append(f"{keys[-1]}: {coll} {describe(x)}")
+        return trace.Collections.build(entries, {p: tuple(v) for p, v in own.items()})
 
 
 def _linen_site(module: Any, method: str, args: tuple, kwargs: dict) -> trace.Site | None:
     try:
         unbound, variables = module.unbind()
-        return trace.Site(
-            unbound, trace.abstract(dict(variables)), method, trace.Flat.of((args, kwargs))
-        )
     except Exception:  # a call site Linen cannot cut out here: no FLOPs for it
         return None
+    flat = trace.Flat.of((args, kwargs))
 
+    def run(variables: Any, dynamic: list[Any]) -> Any:
+        a, k = flat.rebuild(dynamic)
+        rngs = {"dropout": jax.random.key(0)}
+        return unbound.apply(variables, *a, method=method, mutable=True, rngs=rngs, **k)
 
-def _lower(site: Any, cache: dict[Hashable, int | None], run: Any) -> int | None:
-    if site is None:
-        return None
-    key = site.cache_key()
-    if key is not None and key in cache:
-        return cache[key]
-    try:
-        fn = jax.jit(lambda state, dynamic: run(state, site.graphdef, dynamic))
-        flops = trace.flops_of(fn.lower(site.state, site.args.dynamic))
-    except Exception:  # lowering a call site alone can fail (e.g. it needs an outer transform)
-        flops = None
-    if key is not None:
-        cache[key] = flops
-    return flops
+    return trace.Site(unbound, trace.abstract(dict(variables)), method, flat, run)
 
 
 class _Equinox:
     """Equinox: the model's arrays abstract, the rest static."""
 
-    flops_of = staticmethod(trace.flops_of)
-
-    def trace_calls(self, model: Any, args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    def trace_calls(
+        self, model: Any, args: tuple, kwargs: dict, *, method: str, train: bool | None
+    ) -> trace.Whole:
         import equinox as eqx
 
+        if train is not None:
+            model = eqx.nn.inference_mode(model, value=not train)
         flat = trace.Flat.of((args, kwargs))
         dyn, static = eqx.partition(model, _is_array)
 
         def forward(dyn: Any, dynamic: list[Any]) -> Any:
             a, k = flat.rebuild(dynamic)
-            return eqx.combine(dyn, static)(*a, **k)
+            return getattr(eqx.combine(dyn, static), method)(*a, **k)
 
-        recorder = trace._Recorder(site=_eqx_site)
-        with intercept(recorder):
-            lowered = jax.jit(forward).lower(trace.abstract(dyn), flat.dynamic)
-        return recorder.records, lowered
+        return trace.trace_whole(forward, (trace.abstract(dyn), flat.dynamic), _eqx_site)
 
-    def param_table(self, model: Any) -> trace.ParamTable:
+    def collections(self, model: Any, variables: bool) -> trace.Collections:
         import equinox as eqx
 
         from .frameworks import _equinox
 
-        def direct(_: Any, module: Any) -> Iterator[Any]:
-            leaves = jax.tree.leaves(
-                module, is_leaf=lambda x: x is not module and isinstance(x, eqx.Module)
-            )
-            return (x for x in leaves if _is_param(x))
+        def own_leaves(module: Any) -> Iterator[tuple[Any, Any]]:
+            is_sub = lambda x: x is not module and isinstance(x, eqx.Module)  # noqa: E731
+            for kp, x in jax.tree_util.tree_flatten_with_path(module, is_leaf=is_sub)[0]:
+                if _is_array(x):
+                    yield kp, x
 
-        return _table(
-            list(_equinox.ADAPTER.iter_modules(model)),
-            lambda _, module: [x for x in jax.tree.leaves(module) if _is_param(x)],
-            direct,
-        )
-
-    @staticmethod
-    def lower_flops(site: Any, cache: dict[Hashable, int | None]) -> int | None:
-        import equinox as eqx
-
-        def run(dyn: Any, static: Any, dynamic: list[Any]) -> Any:
-            a, k = site.args.rebuild(dynamic)
-            return getattr(eqx.combine(dyn, static), site.method)(*a, **k)
-
-        return _lower(site, cache, run)
+        entries = []
+        own: dict[tuple[Any, ...], tuple[str, ...]] = {}
+        for path, module in _equinox.ADAPTER.iter_modules(model):
+            direct = {id(x) for _, x in own_leaves(module)}
+            for x in jax.tree.leaves(module):
+                if _is_array(x):
+                    coll = trace.TRAINABLE if _inexact(x) else "other arrays"
+                    entries.append((path, coll, id(x), x, id(x) in direct))
+            if variables:
+                own[path] = tuple(
+                    f"{jax.tree_util.keystr(kp, simple=True, separator='/')}: {describe(x)}"
+                    for kp, x in own_leaves(module)
+                )
+        return trace.Collections.build(entries, {p: v for p, v in own.items() if v})
 
 
 def _eqx_site(module: Any, method: str, args: tuple, kwargs: dict) -> trace.Site | None:
@@ -195,6 +176,12 @@ def _eqx_site(module: Any, method: str, args: tuple, kwargs: dict) -> trace.Site
 
     try:
         dyn, static = eqx.partition(module, _is_array)
-        return trace.Site(static, trace.abstract(dyn), method, trace.Flat.of((args, kwargs)))
     except Exception:  # pragma: no cover - partition of a module does not fail in practice
         return None
+    flat = trace.Flat.of((args, kwargs))
+
+    def run(dyn: Any, dynamic: list[Any]) -> Any:
+        a, k = flat.rebuild(dynamic)
+        return getattr(eqx.combine(dyn, static), method)(*a, **k)
+
+    return trace.Site(static, trace.abstract(dyn), method, flat, run)

@@ -1,26 +1,44 @@
-"""How :func:`hookax.summary` sees a Flax NNX model: call sites, parameters and FLOPs.
+"""How :func:`hookax.summary` traces a model: call sites, the whole call, and Flax NNX's variables.
 
-Everything here is abstract. The model is split into a graph definition and a state of
-``jax.ShapeDtypeStruct``\\ s, merged again inside ``jax.jit(...).lower`` (which traces, never runs
-or allocates), and an interceptor records every call site while that trace runs. The FLOPs of one
-call site come from XLA's own cost analysis of that call site's method lowered alone on abstract
-inputs; identical call sites (same module structure and configuration, same input shapes) share
-one lowering, so the 32 blocks of a 7B decoder cost one.
+Everything here is abstract. The model is split into a structure and a state of
+``jax.ShapeDtypeStruct``\\ s, merged again inside ``jax.jit(...).trace`` (which traces, never runs
+or allocates), and an interceptor records every call site while that trace runs. Each call site
+runs inside a name scope (``hookax_site_<n>``), so the traced program tells which call sites sit
+inside a scan and how many times they run. The FLOPs of one call site come from XLA's own cost
+analysis of that call site's method lowered alone on abstract inputs; identical call sites (same
+module structure and configuration, same input shapes) share one lowering, so the 32 blocks of a
+7B decoder cost one. Linen and Equinox plug their own splitting into the same recorder
+(``_summary_frameworks``).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable
+import inspect
+from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import jax
 
 from . import _context
+from . import _summary_cost as cost
 from ._intercept import intercept
 from ._specs import describe
 
-__all__ = ["Record", "Site", "abstract", "lower_flops", "param_table", "trace_calls"]
+__all__ = [
+    "NNX",
+    "Collections",
+    "Flat",
+    "ParamTable",
+    "Record",
+    "Recorder",
+    "Site",
+    "Whole",
+    "abstract",
+    "assemble_params",
+    "describe_call",
+    "rejection",
+]
 
 _NOTE = "__hookax_summary_noted__"
 
@@ -67,16 +85,21 @@ class Flat:
 
 @dataclasses.dataclass
 class Site:
-    """What it takes to lower one call site alone: module structure, abstract state, arguments."""
+    """What it takes to lower one call site alone: a function of (state, arrays) and both.
 
-    graphdef: Any
+    ``run(state, dynamic)`` calls the method; ``structure`` (graph definition, module
+    configuration) and the abstract ``state`` and ``args`` make the cache key.
+    """
+
+    structure: Any
     state: Any
     method: str
     args: Flat
+    run: Callable[[Any, list[Any]], Any]
 
     def cache_key(self) -> Hashable | None:
         key = (
-            self.graphdef,
+            self.structure,
             self.method,
             jax.tree.structure(self.state),
             tuple((x.shape, x.dtype) for x in jax.tree.leaves(self.state)),
@@ -100,48 +123,134 @@ class Record:
     inputs: tuple[str, ...]
     outputs: tuple[str, ...] = ()
     site: Site | None = None
+    module_id: int = 0
+    vmapped: tuple[int, ...] = ()
 
 
-def _describe_tree(tree: Any) -> tuple[str, ...]:
-    return tuple(describe(x) for x in jax.tree.leaves(tree))
+@dataclasses.dataclass
+class Whole:
+    """The whole call, traced once: what the totals and the memory estimate are computed from.
+
+    ``fn(*args)`` is the call as a function of abstract arguments; ``traced`` its trace (with
+    the recorder's name scopes); ``records`` the call sites seen.
+    """
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    traced: Any
+    records: list[Record]
+    input_bytes: int
+
+    def flops(self) -> int | None:
+        return cost.flops(self.traced)
+
+    def backward(self, compile: bool = False) -> tuple[int | None, int]:
+        """FLOPs of the forward and backward pass, and the bytes of activations kept.
+
+        With ``compile``, the activations are XLA's temporary buffers of the compiled
+        forward and backward pass (``memory_analysis().temp_size_in_bytes``) instead.
+        """
+        kept: list[int] = []
+        try:
+            traced = jax.jit(cost.vjp_fn(self.fn, kept)).trace(*self.args)
+        except Exception:  # pragma: no cover - a model that cannot be differentiated
+            return None, sum(kept)
+        if compile:
+            kept = [traced.lower().compile().memory_analysis().temp_size_in_bytes]
+        return cost.flops(traced), sum(kept)
 
 
-def _site(module: Any, method: str, args: tuple, kwargs: dict) -> Site | None:
-    from flax import nnx
+def _named(name: str, tree: Any) -> list[str]:
+    """Each leaf of ``tree`` described, prefixed by ``name`` and its key path in the tree."""
+    out: list[str] = []
+    for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        sub = jax.tree_util.keystr(kp, simple=True, separator="/")
+        label = "/".join(s for s in (name, sub) if s)
+        out.append(f"{label}: {describe(leaf)}" if label else describe(leaf))
+    return out
 
-    try:
-        graphdef, state = nnx.split(module)
-        return Site(graphdef, abstract(state), method, Flat.of((args, kwargs)))
-    except Exception:  # a call site NNX cannot split here: no FLOPs for it, nothing else lost
-        return None
+
+def describe_call(sig: inspect.Signature | None, args: tuple, kwargs: dict) -> tuple[str, ...]:
+    """The arguments of a call as specs: a positional array bare, anything else named."""
+    params = list(sig.parameters.values())[1:] if sig is not None else []
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        leaves = jax.tree.leaves(arg)
+        if len(leaves) <= 1 and all(x is arg for x in leaves):
+            out.extend(describe(x) for x in leaves)
+            continue
+        p = params[i] if i < len(params) else None
+        name = p.name if p is not None and p.kind is not p.VAR_POSITIONAL else f"arg{i}"
+        out.extend(_named(name, arg))
+    for name, value in kwargs.items():
+        out.extend(_named(name, value))
+    return tuple(out)
 
 
-class _Recorder:
+def describe_output(out: Any) -> tuple[str, ...]:
+    """Each leaf of an output: bare for one array, named by its key in a pytree."""
+    return tuple(_named("", out))
+
+
+_SIGNATURES: dict[tuple[type, str], inspect.Signature | None] = {}
+
+
+def _signature_of(module: Any, method: str) -> inspect.Signature | None:
+    key = (type(module), method)
+    if key not in _SIGNATURES:
+        try:
+            _SIGNATURES[key] = inspect.signature(getattr(type(module), method))
+        except (AttributeError, TypeError, ValueError):
+            _SIGNATURES[key] = None
+    return _SIGNATURES[key]
+
+
+def _vmapped(tree: Any) -> tuple[int, ...]:
+    """The sizes of the vmaps the values of ``tree`` are batched by, outermost first."""
+    best: list[int] = []
+    for leaf in jax.tree.leaves(tree):
+        sizes, t = [], leaf
+        while hasattr(t, "val") and hasattr(getattr(t, "_trace", None), "axis_data"):
+            sizes.append(int(t._trace.axis_data.size))
+            t = t.val
+        if len(sizes) > len(best):
+            best = sizes
+    return tuple(reversed(best))
+
+
+class Recorder:
     """The interceptor that records each call site (entry order is call order)."""
 
-    def __init__(self, site: Callable[..., Site | None] | None = None) -> None:
+    def __init__(self, site: Callable[..., Site | None]) -> None:
         self.records: list[Record] = []
-        self.site = site or _site  # how to cut one call site out (per framework)
+        self.site = site  # how to cut one call site out (per framework)
+        self._modules: list[Any] = []  # keeps ids unique while recording
 
     def __call__(
         self, next_fun: Callable[..., Any], args: tuple, kwargs: dict, context: _context.Context
     ) -> Any:
+        module = context.module
+        self._modules.append(module)
         rec = Record(
             key=context.key,
             path=tuple(context.path),
-            type=type(context.module).__name__,
+            type=type(module).__name__,
             method=context.method,
-            inputs=_describe_tree((args, kwargs)),
+            inputs=describe_call(_signature_of(module, context.method), args, kwargs),
+            module_id=id(module),
+            vmapped=_vmapped((args, kwargs)),
         )
-        if self.records:  # the root call's FLOPs come from lowering the whole call
-            rec.site = self.site(context.module, context.method, args, kwargs)
+        if self.records:  # the root call's FLOPs come from the whole call
+            rec.site = self.site(module, context.method, args, kwargs)
+        n = len(self.records)
         self.records.append(rec)
         try:
-            out = next_fun(*args, **kwargs)
+            with jax.named_scope(f"{cost.SCOPE}{n}"):
+                out = next_fun(*args, **kwargs)
         except Exception as e:
             _note_rejection(e, rec)
             raise
-        rec.outputs = _describe_tree(out)
+        rec.outputs = describe_output(out)
         return out
 
 
@@ -172,103 +281,31 @@ def rejection(e: BaseException) -> str | None:
     return None
 
 
-def trace_calls(model: Any, args: tuple, kwargs: dict) -> tuple[list[Record], Any]:
-    """Trace ``model(*args, **kwargs)`` abstractly; the call sites and the lowered whole call."""
-    from flax import nnx
-
-    graphdef, state = nnx.split(model)
-    flat = Flat.of((args, kwargs))
-
-    def forward(state: Any, dynamic: list[Any]) -> Any:
-        a, k = flat.rebuild(dynamic)
-        return nnx.merge(graphdef, state)(*a, **k)
-
-    recorder = _Recorder()
+def trace_whole(
+    fn: Callable[..., Any], args: tuple[Any, ...], site: Callable[..., Site | None]
+) -> Whole:
+    """Trace ``fn(*args)`` (abstract arguments) with the recorder on; the :class:`Whole`."""
+    recorder = Recorder(site)
     with intercept(recorder):
-        lowered = jax.jit(forward).lower(abstract(state), flat.dynamic)
-    return recorder.records, lowered
+        traced = jax.jit(fn).trace(*args)
+    inputs = sum(cost.nbytes(x) for x in args[1])
+    return Whole(fn, args, traced, recorder.records, inputs)
 
 
-def flops_of(lowered: Any) -> int | None:
-    """XLA's FLOP count of a lowered computation (its HLO cost analysis), or None."""
-    try:
-        cost = lowered.cost_analysis()
-    except Exception:  # pragma: no cover - a backend without cost analysis
-        return None
-    if isinstance(cost, list | tuple):
-        cost = cost[0] if cost else None
-    if not cost or "flops" not in cost:
-        return None
-    return round(cost["flops"])
-
-
-def lower_flops(site: Site | None, cache: dict[Hashable, int | None]) -> int | None:
-    """The FLOPs of one call site's method alone, lowered on abstract inputs (cached)."""
-    if site is None:
-        return None
-    key = site.cache_key()
-    if key is not None and key in cache:
-        return cache[key]
-    from flax import nnx
-
-    def run(state: Any, dynamic: list[Any]) -> Any:
-        a, k = site.args.rebuild(dynamic)
-        return getattr(nnx.merge(site.graphdef, state), site.method)(*a, **k)
-
-    try:
-        flops = flops_of(jax.jit(run).lower(site.state, site.args.dynamic))
-    except Exception:  # lowering a call site alone can fail (e.g. it needs an outer transform)
-        flops = None
-    if key is not None:
-        cache[key] = flops
-    return flops
+# ---------------------------------------------------------------------------------------------
+# Parameter tables
 
 
 @dataclasses.dataclass
 class ParamTable:
-    """Parameters of every module, shared ones found: what the summary rows and totals need."""
+    """One collection of every module, shared values found: what rows and totals need."""
 
-    count: dict[tuple[Any, ...], int]  # module path -> parameters below it (each counted once)
+    count: dict[tuple[Any, ...], int]  # module path -> values below it (each counted once)
     nbytes: dict[tuple[Any, ...], int]
-    shared_with: dict[tuple[Any, ...], tuple[str, ...]]  # path -> other modules holding its params
+    shared_with: dict[tuple[Any, ...], tuple[str, ...]]  # path -> other modules holding its values
     total: int
     total_bytes: int
-    shared_total: int  # parameters held by more than one module, counted once
-
-
-def _size(var: Any) -> tuple[int, int]:
-    value = var.get_value()
-    n = 1
-    for d in value.shape:
-        n *= int(d)
-    return n, n * jax.numpy.dtype(value.dtype).itemsize
-
-
-def param_table(model: Any) -> ParamTable:
-    """Count the ``nnx.Param``\\ s of every module of ``model``; tied parameters once."""
-    from flax import nnx
-    from flax.nnx import graphlib
-
-    modules = [(tuple(p), m) for p, m in graphlib.iter_graph(model) if isinstance(m, nnx.Module)]
-    owners: dict[int, list[tuple[Any, ...]]] = {}
-    sizes: dict[int, tuple[int, int]] = {}
-    below: dict[tuple[Any, ...], set[int]] = {}
-    direct: dict[tuple[Any, ...], set[int]] = {}
-    for path, module in modules:
-        nodes = list(graphlib.iter_graph(module))
-        inner = {tuple(p) for p, n in nodes if isinstance(n, nnx.Module) and p}
-        below[path], direct[path] = set(), set()
-        for p, node in nodes:
-            if not isinstance(node, nnx.Param):
-                continue
-            vid = id(node)
-            if vid not in sizes:
-                sizes[vid] = _size(node)
-            below[path].add(vid)
-            if not any(tuple(p[:i]) in inner for i in range(1, len(p))):
-                direct[path].add(vid)
-                owners.setdefault(vid, []).append(path)
-    return assemble_params(sizes, owners, below, direct)
+    shared_total: int  # values held by more than one module, counted once
 
 
 def assemble_params(
@@ -277,10 +314,10 @@ def assemble_params(
     below: dict[tuple[Any, ...], set[int]],
     direct: dict[tuple[Any, ...], set[int]],
 ) -> ParamTable:
-    """The table from parameter ids: sizes, owning modules, and each module's sets.
+    """The table from value ids: sizes, owning modules, and each module's sets.
 
-    ``below[path]`` are the parameters of the module at ``path`` and its submodules;
-    ``direct[path]`` its own; ``owners[id]`` the modules holding a parameter directly.
+    ``below[path]`` are the values of the module at ``path`` and its submodules;
+    ``direct[path]`` its own; ``owners[id]`` the modules holding a value directly.
     """
     shared = {vid for vid, paths in owners.items() if len(paths) > 1}
     count = {p: sum(sizes[v][0] for v in vs) for p, vs in below.items()}
@@ -300,3 +337,143 @@ def assemble_params(
         total_bytes=nbytes.get((), 0),
         shared_total=sum(sizes[v][0] for v in root & shared),
     )
+
+
+class _Acc:
+    """Accumulates one collection's ids while walking the modules."""
+
+    def __init__(self) -> None:
+        self.sizes: dict[int, tuple[int, int]] = {}
+        self.owners: dict[int, list[tuple[Any, ...]]] = {}
+        self.below: dict[tuple[Any, ...], set[int]] = {}
+        self.direct: dict[tuple[Any, ...], set[int]] = {}
+
+    def add(self, path: tuple[Any, ...], vid: int, leaf: Any, is_direct: bool) -> None:
+        if vid not in self.sizes:
+            n = 1
+            for d in leaf.shape:
+                n *= int(d)
+            self.sizes[vid] = (n, cost.nbytes(leaf))
+        self.below.setdefault(path, set()).add(vid)
+        if is_direct:
+            self.direct.setdefault(path, set()).add(vid)
+            self.owners.setdefault(vid, []).append(path)
+
+
+TRAINABLE = "trainable"
+
+
+@dataclasses.dataclass
+class Collections:
+    """Every collection's :class:`ParamTable`; :data:`TRAINABLE` is the trainable one."""
+
+    tables: dict[str, ParamTable]
+    variables: dict[tuple[Any, ...], tuple[str, ...]]  # module path -> its own variables
+
+    @classmethod
+    def build(
+        cls,
+        entries: Iterable[tuple[tuple[Any, ...], str, int, Any, bool]],
+        variables: dict[tuple[Any, ...], tuple[str, ...]],
+    ) -> Collections:
+        """From ``(module path, collection, value id, leaf, is the module's own)`` entries."""
+        accs: dict[str, _Acc] = {TRAINABLE: _Acc()}
+        for path, coll, vid, leaf, is_direct in entries:
+            accs.setdefault(coll, _Acc()).add(path, vid, leaf, is_direct)
+        tables = {
+            c: assemble_params(a.sizes, a.owners, a.below, a.direct)
+            for c, a in sorted(accs.items())
+        }
+        return cls(tables, variables)
+
+    def of(self, path: tuple[Any, ...]) -> tuple[int, int, tuple[tuple[str, int, int], ...]]:
+        """Trainable count and bytes below ``path``, and the other collections'."""
+        t = self.tables[TRAINABLE]
+        state = tuple(
+            (c, tab.count[path], tab.nbytes[path])
+            for c, tab in self.tables.items()
+            if c != TRAINABLE and tab.count.get(path)
+        )
+        return t.count.get(path, 0), t.nbytes.get(path, 0), state
+
+    def shared_with(self, path: tuple[Any, ...]) -> tuple[str, ...]:
+        return self.tables[TRAINABLE].shared_with.get(path, ())
+
+    def shared_total(self) -> int:
+        return self.tables[TRAINABLE].shared_total
+
+
+# ---------------------------------------------------------------------------------------------
+# Flax NNX
+
+
+def _nnx_site(module: Any, method: str, args: tuple, kwargs: dict) -> Site | None:
+    from flax import nnx
+
+    try:
+        graphdef, state = nnx.split(module)
+    except Exception:  # a call site NNX cannot split here: no FLOPs for it, nothing else lost
+        return None
+    flat = Flat.of((args, kwargs))
+
+    def run(state: Any, dynamic: list[Any]) -> Any:
+        a, k = flat.rebuild(dynamic)
+        return getattr(nnx.merge(graphdef, state), method)(*a, **k)
+
+    return Site(graphdef, abstract(state), method, flat, run)
+
+
+def _nnx_collection(var: Any) -> str:
+    from flax import nnx
+
+    if isinstance(var, nnx.Param):
+        return TRAINABLE
+    return "RngState" if isinstance(var, nnx.RngState) else type(var).__name__
+
+
+class NNX:
+    """Flax NNX: ``nnx.split`` / ``nnx.merge`` on abstract state."""
+
+    def trace_calls(
+        self, model: Any, args: tuple, kwargs: dict, *, method: str, train: bool | None
+    ) -> Whole:
+        from flax import nnx
+
+        graphdef, state = nnx.split(model)
+        flat = Flat.of((args, kwargs))
+
+        def forward(state: Any, dynamic: list[Any]) -> Any:
+            a, k = flat.rebuild(dynamic)
+            m = nnx.merge(graphdef, state)
+            if train is not None:
+                m.train() if train else m.eval()
+            return getattr(m, method)(*a, **k)
+
+        return trace_whole(forward, (abstract(state), flat.dynamic), _nnx_site)
+
+    def collections(self, model: Any, variables: bool) -> Collections:
+        """Every ``nnx.Variable`` of every module, by type (``Param`` trainable); ties once."""
+        from flax import nnx
+        from flax.nnx import graphlib
+
+        modules = [
+            (tuple(p), m) for p, m in graphlib.iter_graph(model) if isinstance(m, nnx.Module)
+        ]
+        entries = []
+        own: dict[tuple[Any, ...], tuple[str, ...]] = {}
+        for path, module in modules:
+            nodes = list(graphlib.iter_graph(module))
+            inner = {tuple(p) for p, n in nodes if isinstance(n, nnx.Module) and p}
+            mine = []
+            for p, node in nodes:
+                if not isinstance(node, nnx.Variable):
+                    continue
+                is_direct = not any(tuple(p[:i]) in inner for i in range(1, len(p)))
+                value = node.get_value()
+                entries.append((path, _nnx_collection(node), id(node), value, is_direct))
+                if is_direct and variables:
+                    name = "/".join(str(k) for k in p)
+                    mine.append(f"{name}: {type(node).__name__} {describe(value)}")
+            if mine:
+                own[path] = tuple(mine)
+        return Collections.build(entries, own)

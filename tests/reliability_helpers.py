@@ -6,14 +6,14 @@ from typing import Any
 
 from flax import nnx
 
-from hookax import _capture, _context, _hooks
+from hookax import _context, _hooks, _tags
 
 
 def assert_clean(*models: Any) -> None:
     """Nothing active, no call or capture in progress, no hook on any module of ``models``."""
     assert _context.active_entries() == ()
     assert _context.call_stack() == []
-    assert _capture.sessions() == []
+    assert _tags.depth() == 0
     for model in models:
         for path, m in nnx.graph.iter_graph(model):
             if isinstance(m, nnx.Module):

@@ -1,6 +1,7 @@
 """The hookax command line: summaries, gradflow PNGs, and one-line errors with exit code 2."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -29,17 +30,46 @@ def factories(tmp_path, monkeypatch):
                 def __call__(self, x, y):
                     return self.a(x) + self.b(y.astype(jnp.float32))
 
+            class Keyed(nnx.Module):
+                def __init__(self, rngs):
+                    self.lin = nnx.Linear(8, 8, rngs=rngs)
+                    self.drop = nnx.Dropout(0.5, rngs=rngs)
+
+                def __call__(self, x, *, cache, rng=None, scale=1, train=True, mask=None):
+                    y = self.drop(self.lin(x) * scale, deterministic=not train)
+                    return y + cache["k"], cache["v"]
+
+            class Free(nnx.Module):
+                def __init__(self):
+                    self.act = nnx.Dropout(0.0)
+
+                def __call__(self, x):
+                    return self.act(x, deterministic=True) * 2.0
+
+            CALLS = []
+
             def linear():
                 return nnx.Linear(64, 32, rngs=nnx.Rngs(0))
 
             def pair():
                 return Pair(nnx.Rngs(0))
 
+            def keyed():
+                return Keyed(nnx.Rngs(0))
+
+            def free():
+                return Free()
+
             def not_a_model():
                 return 3
 
             def broken():
+                CALLS.append("broken")
                 raise RuntimeError("no weights here")
+
+            def counted():
+                CALLS.append("counted")
+                return nnx.Linear(4, 4, rngs=nnx.Rngs(0))
             """
         )
     )
@@ -59,9 +89,9 @@ def _run(capsys, *argv):
     [("mlp", "235,146"), ("cnn", "25,578"), ("resnet", "78,042"), ("transformer", "115,520")],
 )
 def test_summary_of_each_example(capsys, name, total):
-    code, out, err = _run(capsys, "summary", "--example", name)
+    code, out, err = _run(capsys, "summary", "--example", name, "--depth", "1")
     assert (code, err) == (0, "")
-    assert f"Total parameters: {total}" in out.splitlines()[-3]
+    assert f"\nTotal parameters: {total} (" in out
 
 
 def test_summary_json_and_depth(capsys):
@@ -107,26 +137,147 @@ def test_gradflow_png(capsys, tmp_path):
     out_png = tmp_path / "gradflow.png"
     code, out, err = _run(capsys, "gradflow", "--example", "mlp", "--out", str(out_png))
     assert (code, err) == (0, "")
-    assert [line.split()[0] for line in out.splitlines()[:3]] == [
-        "layers/0",
-        "layers/1",
-        "layers/2",
-    ]
-    assert out.splitlines()[-1] == f"wrote {out_png} (3 layers)"
+    lines = out.splitlines()
+    assert lines[0] == "d loss / d (layer output), 2-norm:"
+    assert [line.split()[0] for line in lines[1:4]] == ["layers/0", "layers/1", "layers/2"]
+    assert lines[4] == "d loss / d (parameters), mean and max of |g|:"
+    assert lines[-1] == f"wrote {out_png} (3 call sites, 3 with parameters)"
     img = _image(out_png)
-    assert img.shape == (480, 600, 4)  # 6 x 4.8 inches at 100 dpi, RGBA
+    assert img.shape == (840, 600, 4)  # 6 x 8.4 inches at 100 dpi, RGBA: two panels
     rgb = img[..., :3].reshape(-1, 3)
     assert rgb.std() > 0.05  # not blank
     assert len(np.unique(np.round(rgb * 255).astype(np.int32), axis=0)) > 16
 
 
+def test_gradflow_figure_labels_range_and_markers():
+    from hookax._gradflow import OUTPUT_LABEL, PARAM_LABEL, GradFlow, plot_grad_flow
+
+    flow = GradFlow(
+        {"a": 0.17, "b": 0.49, "c": 0.0, "d": float("nan")},
+        {"a": (1e-4, 3e-3), "b": (2e-2, 0.5)},
+    )
+    fig = plot_grad_flow(flow, title="t")
+    top, bottom = fig.axes
+    assert top.get_ylabel() == "‖∂loss/∂(layer output)‖₂ (log)" == OUTPUT_LABEL + " (log)"
+    assert bottom.get_ylabel() == PARAM_LABEL + " (log)"
+    assert bottom.get_xlabel() == "layer (call order)"
+    assert top.get_yscale() == bottom.get_yscale() == "log"
+    assert top.get_ylim() == (0.1, 1.0)  # whole decades around 0.17 and 0.49: nothing cropped
+    assert bottom.get_ylim() == (1e-5, 1.0)
+    labels = [t.get_text() for t in top.get_legend().get_texts()]
+    assert labels == ["‖grad‖₂", "‖grad‖₂ = 0", "‖grad‖₂ not finite"]
+    assert [t.get_text() for t in bottom.get_legend().get_texts()] == ["mean", "max"]
+    # Parameter-free models: one panel.
+    assert len(plot_grad_flow(GradFlow({"a": 1.0}, {})).axes) == 1
+
+
 def test_gradflow_of_a_factory(capsys, tmp_path, factories):
     out_png = tmp_path / "g.png"
     argv = ["gradflow", f"{factories}:pair", "--input", "f32[4,64]", "--input", "f32[4,16]"]
-    code, out, err = _run(capsys, *argv, "--out", str(out_png))
+    code, out, err = _run(capsys, *argv, "--out", str(out_png), "--where", "b")
     assert (code, err) == (0, "")
-    assert [line.split()[0] for line in out.splitlines()[:2]] == ["a", "b"]
+    assert [line.split()[0] for line in out.splitlines()[1:2]] == ["b"]
     assert _image(out_png).shape[2] == 4
+
+
+def test_gradflow_of_a_parameter_free_model(capsys, tmp_path, factories):
+    out_png = tmp_path / "free.png"
+    code, out, err = _run(
+        capsys, "gradflow", f"{factories}:free", "--input", "f32[2,3]", "--out", str(out_png)
+    )
+    assert (code, err) == (0, "")
+    assert out.splitlines()[1].split()[0] == "act"
+    assert out.splitlines()[-1] == f"wrote {out_png} (1 call sites, 0 with parameters)"
+
+
+def test_gradflow_checks_out_before_any_work(capsys, tmp_path, factories):
+    missing = tmp_path / "no" / "such" / "dir.png"
+    msg = _error(
+        capsys, "gradflow", f"{factories}:counted", "--input", "f32[1,4]", "--out", str(missing)
+    )
+    assert msg == f"cannot write {str(missing)!r}: no such directory"
+    assert _error(capsys, "gradflow", "--example", "mlp", "--out", str(tmp_path)) == (
+        f"cannot write {str(tmp_path)!r}: is a directory"
+    )
+    assert factories not in sys.modules  # the factory was not even imported
+    msg = _error(
+        capsys,
+        "gradflow",
+        "--example",
+        "mlp",
+        "--where",
+        "layerz/*",
+        "--out",
+        str(tmp_path / "x.png"),
+    )
+    assert msg.startswith("--where 'layerz/*': ")
+
+
+def test_gradflow_of_a_scanned_model_has_one_point_per_layer():
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from hookax._gradflow import grad_flow, mean_square_loss, plot_grad_flow
+    from tests.models import Scanned
+
+    model = Scanned()
+    x = jax.random.normal(jax.random.key(1), (2, 3), jnp.float32)
+    flow = grad_flow(model, x)
+    assert list(flow.outputs) == [
+        *(k for i in range(4) for k in (f"blocks[{i}]", f"blocks[{i}]/lin")),
+        "head",
+    ]
+    assert list(flow.params) == [*(f"blocks[{i}]/lin" for i in range(4)), "head"]
+
+    # The same gradients, by hand: the scan unrolled, a zero probe added at each output.
+    _, state = nnx.split(model.blocks)
+    kernel, bias = state["lin"]["kernel"][...], state["lin"]["bias"][...]
+
+    def loss(probes, params):
+        k, b, hk, hb = params
+        h = x
+        for i in range(4):
+            lin = h @ k[i] + b[i] + probes["lin"][i]
+            h = jnp.tanh(lin) + probes["block"][i]
+        return jnp.mean(jnp.square(h @ hk + hb + probes["head"]))
+
+    probes = {"lin": jnp.zeros((4, 2, 3)), "block": jnp.zeros((4, 2, 3)), "head": jnp.zeros((2, 2))}
+    params = (kernel, bias, model.head.kernel[...], model.head.bias[...])
+    g_probe, g_param = jax.grad(loss, argnums=(0, 1))(probes, params)
+    for i in range(4):
+        np.testing.assert_allclose(
+            flow.outputs[f"blocks[{i}]"], float(jnp.linalg.norm(g_probe["block"][i])), rtol=1e-5
+        )
+        np.testing.assert_allclose(
+            flow.outputs[f"blocks[{i}]/lin"], float(jnp.linalg.norm(g_probe["lin"][i])), rtol=1e-5
+        )
+        layer = jnp.concatenate([g_param[0][i].ravel(), g_param[1][i].ravel()])
+        np.testing.assert_allclose(
+            flow.params[f"blocks[{i}]/lin"],
+            (float(jnp.abs(layer).mean()), float(jnp.abs(layer).max())),
+            rtol=1e-5,
+        )
+    np.testing.assert_allclose(flow.outputs["head"], float(jnp.linalg.norm(g_probe["head"])))
+    assert float(mean_square_loss(model, x)) == pytest.approx(float(loss(probes, params)))
+    fig = plot_grad_flow(flow)
+    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert ticks[:3] == ["blocks[0]", "blocks[0]/lin", "blocks[1]"]
+
+
+def test_scanned_layer_labels_interleave_layers():
+    import jax.numpy as jnp
+
+    from hookax._gradflow import _NNX, _Layout
+    from tests.models import Scanned
+
+    layout = _Layout.of(_NNX, Scanned(), (jnp.ones((2, 3), jnp.float32),), {})
+    assert layout.scanned == {"blocks": ("blocks", 4), "blocks/lin": ("blocks", 4)}
+    stacked = (jnp.ones((4, 2)),)
+    items = [("head", jnp.ones(2)), ("blocks/lin", stacked), ("blocks", stacked)]
+    labels = [label for label, _ in layout.labelled(items)]
+    assert labels[:3] == ["blocks[0]", "blocks[0]/lin", "blocks[1]"]
+    assert labels[-2:] == ["blocks[3]/lin", "head"]
 
 
 def _error(capsys, *argv):
@@ -154,17 +305,19 @@ def test_factory_that_does_not_import(capsys):
 
 def test_factory_errors(capsys, factories):
     assert _error(capsys, "summary", "user_models", "--input", "f32[2]") == (
-        "a factory looks like 'package.module:function', got 'user_models'"
+        "a factory looks like 'package.module:function' or 'path/to/file.py:function', "
+        "got 'user_models'"
     )
     assert _error(capsys, "summary", f"{factories}:missing", "--input", "f32[2]") == (
         "cannot import factory 'user_models:missing': user_models has no 'missing'"
     )
     assert _error(capsys, "summary", f"{factories}:not_a_model", "--input", "f32[2]") == (
-        "'user_models:not_a_model' returned int, not an nnx.Module"
+        "'user_models:not_a_model' returned int, not a Flax NNX, Flax Linen or Equinox module"
     )
     assert _error(capsys, "summary", f"{factories}:broken", "--input", "f32[2]") == (
         "factory 'user_models:broken' raised RuntimeError: no weights here"
     )
+    assert sys.modules[factories].CALLS == ["broken"]  # called once, not retried
     assert _error(capsys, "summary", f"{factories}:linear") == (
         'a factory needs its input: add --input "f32[8,224,224,3]"'
     )
@@ -192,7 +345,7 @@ def test_gradflow_input_that_does_not_fit(capsys, factories):
     )
     assert msg.startswith(
         "input f32[4,64], f32[4,3] does not fit the model: "
-        "call site 'b' (Linear.__call__): TypeError"
+        "call site 'b' (Linear.__call__) rejected its input f32[4,3]: TypeError"
     )
 
 
@@ -231,6 +384,27 @@ def test_python_dash_m_hookax_and_lazy_imports():
     assert lazy.stdout.strip() == "[]"
 
 
+def test_a_closed_pipe_exits_quietly(capsys, monkeypatch, tmp_path):
+    """`hookax summary ... | head -1`: the reader has gone; no traceback, exit code 0."""
+
+    class ClosedPipe:
+        def __init__(self):
+            self.fd = os.open(tmp_path / "sink", os.O_WRONLY | os.O_CREAT)
+
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+        def fileno(self):
+            return self.fd
+
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["summary", "--example", "mlp", "--depth", "0"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def test_layer_grad_norms_are_activation_gradient_norms():
     import jax.numpy as jnp
     from flax import nnx
@@ -247,3 +421,183 @@ def test_layer_grad_norms_are_activation_gradient_norms():
     g_hidden = g_out @ model.layers[1].kernel[...].T
     np.testing.assert_allclose(norms["layers/1"], float(jnp.linalg.norm(g_out)), rtol=1e-5)
     np.testing.assert_allclose(norms["layers/0"], float(jnp.linalg.norm(g_hidden)), rtol=1e-5)
+
+
+MODELS_PY = """
+import equinox as eqx
+import flax.linen as nn
+import jax
+from flax import nnx
+
+
+class LinenNet(nn.Module):
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = nn.Dense(8)(x)
+        x = nn.BatchNorm(use_running_average=not train)(x)
+        return nn.Dropout(0.5, deterministic=not train)(x)
+
+
+def make():
+    return nnx.Linear(8, 4, rngs=nnx.Rngs(0))
+
+
+def linen():
+    return LinenNet()
+
+
+def equinox():
+    return eqx.nn.MLP(8, 2, 16, 1, key=jax.random.key(0))
+
+
+class Pair(nnx.Module):
+    def __init__(self, rngs):
+        self.a = nnx.Linear(4, 4, rngs=rngs)
+        self.b = nnx.Linear(4, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.b(self.a(x))
+
+    def first(self, x):
+        return self.a(x)
+
+
+def pair():
+    return Pair(nnx.Rngs(0))
+"""
+
+
+@pytest.fixture
+def in_cwd(tmp_path, monkeypatch):
+    """A file of factories in the current directory, which is not on sys.path."""
+    folder = tmp_path / "work"
+    folder.mkdir()
+    (folder / "mymodels.py").write_text(MODELS_PY)
+    monkeypatch.chdir(folder)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(folder))])
+    yield folder
+    sys.modules.pop("mymodels", None)
+
+
+def _summary_json(capsys, *argv):
+    code, out, err = _run(capsys, "summary", *argv, "--format", "json")
+    assert (code, err) == (0, ""), err
+    return hx.Summary.from_json(out)
+
+
+def test_factories_from_the_current_directory_and_by_file(capsys, in_cwd):
+    s = _summary_json(capsys, "mymodels:make", "--input", "f32[2,8]", "--variables")
+    assert s.totals.params == 36
+    assert s.rows[0].variables == ("bias: Param f32[4]", "kernel: Param f32[8,4]")
+    sys.modules.pop("mymodels")
+    s = _summary_json(capsys, "./mymodels.py:make", "--input", "f32[2,8]")
+    assert s.title == "Linear(f32[2,8])"
+    s = _summary_json(capsys, str(in_cwd / "mymodels.py") + ":make", "--input", "f32[2,8]")
+    assert s.totals.params == 36
+    assert _error(capsys, "summary", "./nope.py:make", "--input", "f32[2]") == (
+        "cannot import factory: no file './nope.py'"
+    )
+
+
+def test_linen_and_equinox_factories(capsys, in_cwd):
+    s = _summary_json(capsys, "mymodels:linen", "--input", "f32[2,4]")
+    assert [r.key for r in s.rows] == ["", "Dense_0", "BatchNorm_0", "Dropout_0"]
+    assert s.totals.params == 4 * 8 + 8 + 2 * 8
+    assert s.totals.state == (("batch_stats", 16, 64),)
+    train = {r.key: r.flops for r in s.rows}
+    evals = {
+        r.key: r.flops
+        for r in _summary_json(capsys, "mymodels:linen", "--input", "f32[2,4]", "--eval").rows
+    }
+    assert evals["Dropout_0"] == 0 < train["Dropout_0"]
+    s = _summary_json(capsys, "mymodels:equinox", "--input", "f32[8]")
+    assert s.totals.params == 8 * 16 + 16 + 16 * 2 + 2
+    assert s.rows[0].type == "MLP"
+    s = _summary_json(capsys, "mymodels:pair", "--input", "f32[3,4]", "--method", "first")
+    assert (s.title, [r.key for r in s.rows]) == ("Pair.first(f32[3,4])", [":first", "a"])
+    assert _error(capsys, "summary", "mymodels:pair", "--input", "f32[3,4]", "--method", "x") == (
+        "Pair has no method 'x'. Fix: pass method= one of its methods."
+    )
+
+
+def test_keyword_arguments(capsys, factories):
+    argv = [
+        f"{factories}:keyed",
+        "--input",
+        "f32[2,8]",
+        "--kw",
+        "cache.k=f32[2,8]",
+        "--kw",
+        "cache.v=i32[3]",
+        "--kw",
+        "rng=key(0)",
+        "--kw",
+        "scale=3",
+        "--kw",
+        "train=False",
+        "--kw",
+        "mask=none",
+    ]
+    s = _summary_json(capsys, *argv)
+    assert s.rows[0].inputs == (
+        "f32[2,8]",
+        "cache/k: f32[2,8]",
+        "cache/v: i32[3]",
+        "rng: key<fry>[]",
+        "scale: 3",
+        "train: False",
+    )
+    assert s.rows[0].outputs == ("0: f32[2,8]", "1: i32[3]")
+    assert {r.key: r.flops for r in s.rows}["drop"] == 0  # train=False reached the model
+    assert _error(capsys, "summary", f"{factories}:keyed", "--kw", "cache") == (
+        "--kw takes NAME=VALUE, got 'cache'"
+    )
+    assert _error(capsys, "summary", f"{factories}:keyed", "--kw", "x=f32[").startswith(
+        "--kw x: cannot parse input spec 'f32['"
+    )
+    assert _error(capsys, "summary", f"{factories}:keyed", "--kw", "x=hello") == (
+        "cannot parse --kw x=hello: expected a spec like f32[1,8], an int, a float, "
+        "true/false, none or key(SEED)"
+    )
+    assert _error(capsys, "summary", f"{factories}:keyed", "--input", "f32[2,8]").startswith(
+        "hx.summary(Keyed, ...) cannot call Keyed.__call__(x, *, cache, "
+    )
+
+
+def test_gradflow_of_equinox_and_linen_factories(capsys, in_cwd):
+    code, out, err = _run(
+        capsys,
+        "gradflow",
+        "mymodels:equinox",
+        "--input",
+        "f32[8]",
+        "--out",
+        str(in_cwd / "eqx.png"),
+    )
+    assert (code, err) == (0, "")
+    assert [line.split()[0] for line in out.splitlines()[1:3]] == ["layers/0", "layers/1"]
+    assert out.splitlines()[-1] == f"wrote {in_cwd / 'eqx.png'} (2 call sites, 2 with parameters)"
+    assert _error(capsys, "gradflow", "mymodels:linen", "--input", "f32[2,4]") == (
+        "gradflow plots Flax NNX and Equinox models; 'mymodels:linen' is a LinenNet "
+        "(hookax summary takes it)"
+    )
+
+
+def test_formats_version_and_64_bit_warning(capsys, factories):
+    code, out, err = _run(
+        capsys, "summary", f"{factories}:linear", "--input", "f32[8,64]", "--format", "markdown"
+    )
+    assert code == 0 and out.splitlines()[0] == "**Linear(f32[8,64])**"
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"hookax {hx.__version__}\n"
+    code, out, err = _run(capsys, "summary", f"{factories}:linear", "--input", "f64[8,64]")
+    assert code == 0
+    assert err == (
+        "hookax: warning: input f64[8,64] asks for 64-bit values but JAX runs without x64, "
+        "so it is traced as 32-bit; set JAX_ENABLE_X64=1 to keep 64 bits\n"
+    )
+    assert _error(capsys, "summary", "--example", "mlp", "--format", "yaml").startswith(
+        "argument --format: invalid choice: 'yaml'"
+    )

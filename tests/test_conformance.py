@@ -183,8 +183,8 @@ def ones_in(m: Any, args: tuple) -> Any:
     return jnp.ones_like(args[0])
 
 
-def triple(m: Any, grad_output: Any) -> Any:
-    return grad_output * 3
+def triple(m: Any, grad_output: tuple) -> tuple:
+    return (grad_output[0] * 3,)
 
 
 def twice_grad(m: Any, args: tuple, output: Any) -> Any:
@@ -285,8 +285,8 @@ def test_backward_hooks_and_hook_grad(framework: Framework, mode: str) -> None:
     plain = framework.grad_x(mode)
     seen: list[Any] = []
 
-    def record(m: Any, grad_input: tuple, grad_output: Any) -> None:
-        seen.append((type(m), grad_input[0].shape, grad_output.shape))
+    def record(m: Any, grad_input: tuple, grad_output: tuple) -> None:
+        seen.append((type(m), grad_input[0].shape, grad_output[0].shape))
 
     with hx.hooks(where=framework.keys[1], backward_pre=triple, backward=record):
         close(framework.grad_x(mode), 3 * plain)

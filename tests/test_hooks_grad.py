@@ -80,8 +80,8 @@ def test_backward_pre_hook_scales_every_upstream_gradient(mode):
     seen = []
 
     def pre(module, grad_output):
-        seen.append(grad_output.shape)
-        return grad_output * 3
+        seen.append(grad_output[0].shape)
+        return (grad_output[0] * 3,)
 
     hx.register_full_backward_pre_hook(model, pre, where="layers/1")
     assert_grads(as_dict(*grads(mode, model, X)), {k: 3 * v for k, v in want.items()})
@@ -99,7 +99,8 @@ def test_backward_hook_sees_and_replaces_grad_input(mode):
 
     def hook(module, grad_input, grad_output):
         assert isinstance(grad_input, tuple) and len(grad_input) == 1
-        jax.debug.callback(record, grad_input[0], grad_output)
+        assert isinstance(grad_output, tuple) and len(grad_output) == 1
+        jax.debug.callback(record, grad_input[0], grad_output[0])
         return (grad_input[0] * 2,)
 
     hx.register_full_backward_hook(model, hook, where="layers/1")
@@ -119,10 +120,10 @@ def test_backward_hook_sees_and_replaces_grad_input(mode):
 def test_backward_hook_gets_grad_output_after_pre_hooks(mode):
     model = two_layers()
     seen = []
-    hx.register_full_backward_pre_hook(model, lambda m, g: g + 1, where="layers/1")
+    hx.register_full_backward_pre_hook(model, lambda m, g: (g[0] + 1,), where="layers/1")
     hx.register_full_backward_hook(
         model,
-        lambda m, gi, go: jax.debug.callback(lambda g: seen.append(np.asarray(g)), go),
+        lambda m, gi, go: jax.debug.callback(lambda g: seen.append(np.asarray(g)), go[0]),
         where="layers/1",
     )
     grads(mode, model, X)
@@ -164,18 +165,22 @@ def test_grad_input_is_none_for_non_float_arguments(mode):
 def test_backward_hook_without_differentiable_inputs(mode):
     emb = nnx.Embed(4, 2, rngs=nnx.Rngs(0))
     seen = []
-    h = hx.register_full_backward_hook(emb, lambda m, gi, go: seen.append((gi, go.shape)) and None)
+    h = hx.register_full_backward_hook(emb, lambda m, gi, go: seen.append((gi, go[0].shape)))
     idx = jnp.array([1, 3])
     f = nnx.grad(lambda m: m(idx).sum())
     g = (nnx.jit(f) if mode == "jit" else f)(emb)
     np.testing.assert_array_equal(g["embedding"][...], [[0, 0], [1, 1], [0, 0], [1, 1]])
     assert seen == [((None,), (2, 2))]
     h.remove()
-    hx.register_full_backward_hook(emb, lambda m, gi, go: (go,))
+    h = hx.register_full_backward_hook(emb, lambda m, gi, go: (None,))  # all None: allowed
+    (nnx.jit(f) if mode == "jit" else f)(emb)
+    h.remove()
+    hx.register_full_backward_hook(emb, lambda m, gi, go: go)
     with pytest.raises(
         hx.HookError,
-        match=r"backward hook .*<lambda>'s grad_input \(entry 0\) at call site '' "
-        r"\(Embed.__call__\) has the wrong tree structure: expected None, got float32\[2,2\]",
+        match=r"backward hook .*<lambda>'s grad_input at call site '' \(Embed.__call__\): no "
+        r"input of this call is differentiated, so a backward hook here must return None \(or a "
+        r"tuple of None\), got a tuple of gradients \(as in PyTorch",
     ):
         nnx.grad(lambda m: m(idx).sum())(emb)
 
@@ -188,12 +193,13 @@ def test_backward_hook_errors_are_pinned(mode):
         f = nnx.grad(loss_fn, argnums=1)
         return (nnx.jit(f) if mode == "jit" else f)(model, X)
 
-    h = hx.register_full_backward_pre_hook(model, lambda m, g: g[:1], where="layers/1")
+    h = hx.register_full_backward_pre_hook(model, lambda m, g: (g[0][:1],), where="layers/1")
     with pytest.raises(
         hx.HookError,
         match=re.escape("backward pre-hook test_backward_hook_errors_are_pinned.<locals>.<lambda>")
-        + r"'s grad_output at call site 'layers/1' \(Linear.__call__\) has the wrong shape or "
-        r"dtype at the value: expected float32\[2,1\], got float32\[1,1\]. Fix: return None",
+        + r"'s grad_output \(entry 0\) at call site 'layers/1' \(Linear.__call__\) has the "
+        r"wrong shape or dtype at the value: expected float32\[2,1\], got float32\[1,1\]. "
+        r"Fix: return None",
     ):
         run()
     h.remove()
@@ -231,7 +237,7 @@ def test_scoped_backward_hooks(mode, traces):
         return loss_fn(m, x)
 
     def triple(m, g):
-        return g * 3
+        return (g[0] * 3,)
 
     f = nnx.grad(loss, argnums=(0, 1))
     f = nnx.jit(f) if mode == "jit" else f
@@ -294,7 +300,7 @@ def test_backward_hooks_inside_nnx_vmap_under_grad():
     model = two_layers()
     xs = X[:, None]  # two examples of batch 1
     want = hand_grads(model, X)
-    hx.register_full_backward_pre_hook(model, lambda m, g: g * 5, where="layers/1")
+    hx.register_full_backward_pre_hook(model, lambda m, g: (g[0] * 5,), where="layers/1")
 
     def loss(m, xs):
         return nnx.vmap(lambda m, x: m(x), in_axes=(None, 0))(m, xs).sum()
@@ -379,3 +385,65 @@ def test_noop_hooks_compile_to_the_same_program():
 
     assert _hlo(fwd_bwd, plain, X) == _hlo(fwd_bwd, hooked, X)
     assert _hlo(lambda m, x: m(x), plain, X) == _hlo(lambda m, x: m(x), hooked, X)
+
+
+class Split(nnx.Module):
+    """Two outputs: ``(x * 2, x * 3)``."""
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return x * 2, x * 3
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_grad_output_is_none_for_an_output_that_does_not_reach_the_loss(mode):
+    """A tuple output gives one entry each; the unused one is None (symbolic zero), as PyTorch."""
+    m = Split()
+    seen = []
+
+    def pre(module, grad_output):
+        seen.append(tuple(None if g is None else g.shape for g in grad_output))
+        return (grad_output[0] * 10, None)
+
+    def post(module, grad_input, grad_output):
+        seen.append((grad_input[0].shape, grad_output[1]))
+
+    hx.register_full_backward_pre_hook(m, pre)
+    hx.register_full_backward_hook(m, post)
+    f = nnx.grad(lambda m, x: m(x)[0].sum(), argnums=1)
+    gx = (nnx.jit(f) if mode == "jit" else f)(m, jnp.ones(3))
+    np.testing.assert_array_equal(gx, [20.0, 20.0, 20.0])
+    assert seen == [((3,), None), ((3,), None)]
+    seen.clear()
+    # No output reaches the loss: no backward hook runs (PyTorch's graph never reaches them).
+    f = nnx.grad(lambda m, x: (m(x), x.sum())[1], argnums=1)
+    np.testing.assert_array_equal((nnx.jit(f) if mode == "jit" else f)(m, jnp.ones(3)), [1.0] * 3)
+    assert seen == []
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_a_backward_hook_may_return_none_entries_and_a_namedtuple_output_is_a_tuple(mode):
+    import collections
+
+    Pair = collections.namedtuple("Pair", "a b")
+
+    class Named(nnx.Module):
+        def __call__(self, x: jax.Array) -> Any:
+            return Pair(x * 2, {"c": x * 3, "i": jnp.arange(3)})
+
+    m = Named()
+    seen = []
+
+    def pre(module, grad_output):
+        seen.append(jax.tree.map(jnp.shape, grad_output))
+        return (None, {"c": grad_output[1]["c"], "i": None})  # a's gradient cut
+
+    hx.register_full_backward_pre_hook(m, pre)
+
+    def loss(m, x):
+        out = m(x)
+        return out.a.sum() + out.b["c"].sum()
+
+    f = nnx.grad(loss, argnums=1)
+    gx = (nnx.jit(f) if mode == "jit" else f)(m, jnp.ones(3))
+    np.testing.assert_array_equal(gx, [3.0, 3.0, 3.0])
+    assert seen == [((3,), {"c": (3,), "i": None})]

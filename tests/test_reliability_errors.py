@@ -152,40 +152,8 @@ def test_wrong_arity_of_scoped_hooks_and_interceptors():
 
 # --- wrong return structure, shape or dtype -----------------------------------------------------
 
-FORWARD_RETURNS = [
-    (
-        lambda m, a, out: out[0],
-        "has the wrong shape or dtype at the value: expected float32[2,4], got float32[4]",
-    ),
-    (
-        lambda m, a, out: out.astype(jnp.bfloat16),
-        "has the wrong shape or dtype at the value: expected float32[2,4], got bfloat16[2,4]",
-    ),
-    (
-        lambda m, a, out: (out, out),
-        "has the wrong tree structure: expected float32[2,4], got ('float32[2,4]', 'float32[2,4]')",
-    ),
-]
-
-
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(("hook", "got"), FORWARD_RETURNS)
-def test_forward_hook_wrong_return(mode, hook, got):
-    model = MLP()
-    want = forward(mode, model)
-    h = hx.register_forward_hook(model, hook, where="layers/1")
-    e = raises(
-        hx.HookError,
-        lambda: forward(mode, model),
-        "forward hook ",
-        "'s output at call site 'layers/1' (Linear.__call__) ",
-        got,
-        "Fix: return None to keep the output, or a value like it (e.g. `return output * 2`).",
-    )
-    assert e.__notes__[0] == "hookax: raised in call site 'layers/1' (Linear.__call__)"
-    h.remove()
-    assert_clean(model)
-    np.testing.assert_array_equal(forward(mode, model), want)
+# A forward hook may return an output of any structure or shape, as in PyTorch (see
+# tests/test_hooks.py::test_forward_hook_may_change_shape_and_structure): nothing to check there.
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -207,11 +175,19 @@ def test_pre_hook_with_kwargs_wrong_return(mode):
 BACKWARD_RETURNS = [
     (
         hx.register_full_backward_pre_hook,
+        lambda m, g: (g[0][0],),
+        "backward pre-hook ",
+        "'s grad_output (entry 0) at call site 'layers/0' (Linear.__call__) has the wrong shape "
+        "or dtype at the value: expected float32[2,4], got float32[4]. Fix: return None, or a "
+        "tuple like grad_output (an entry None for a zero gradient).",
+    ),
+    (
+        hx.register_full_backward_pre_hook,
         lambda m, g: g[0],
         "backward pre-hook ",
-        "'s grad_output at call site 'layers/0' (Linear.__call__) has the wrong shape or dtype "
-        "at the value: expected float32[2,4], got float32[4]. Fix: return None to keep "
-        "grad_output, or a tree like it (e.g. `return g * 2`).",
+        "'s grad_output at call site 'layers/0' (Linear.__call__) must be a tuple with one "
+        "entry per output (1), got float32[2,4]. Fix: return None, or a tuple like grad_output "
+        "(an entry None for a zero gradient), e.g. `return (grad_output[0] * 2,)`.",
     ),
     (
         hx.register_full_backward_hook,
@@ -219,13 +195,14 @@ BACKWARD_RETURNS = [
         "backward hook ",
         "'s grad_input at call site 'layers/0' (Linear.__call__) must be a tuple with one entry "
         "per positional argument (1), got float32[2,3]. Fix: return None, or a tuple like "
-        "grad_input (an entry None for a zero gradient).",
+        "grad_input (an entry None for a zero gradient), e.g. `return (grad_input[0] * 2,)`.",
     ),
     (
         hx.register_full_backward_hook,
         lambda m, gi, go: (gi[0], gi[0]),
         "backward hook ",
-        "must be a tuple with one entry per positional argument (1), got a tuple of length 2.",
+        "must be a tuple with one entry per positional argument (1), got a tuple of length 2 "
+        "(`grad_input * k` repeats a tuple: scale its entries instead).",
     ),
     (
         hx.register_full_backward_hook,
@@ -430,8 +407,8 @@ def test_capture_keys_that_collide(mode):
     raises(
         hx.HookaxError,
         lambda: fwd(X),
-        "hx.capture: call site key 'layers/0' (Linear.__call__) was recorded for two different "
-        "modules (Linear at 0x",
+        "hx.capture: call site key '' (MLP.__call__) was recorded for two different "
+        "modules (MLP at 0x",
         "the captured function calls separate models, each the root of its own paths, so their "
         "keys collide. Fix: capture each model separately (hx.capture(model_a), "
         "hx.capture(model_b)), or make them submodules of one parent module and call that.",

@@ -169,9 +169,9 @@ def test_backward_hooks(net, x, mode):
     shapes = []
 
     def record(m, grad_input, grad_output):
-        shapes.append((grad_input[0].shape, grad_output.shape))
+        shapes.append((grad_input[0].shape, grad_output[0].shape))
 
-    a = hx.register_full_backward_pre_hook(net, lambda m, g: g * 2, where="down")
+    a = hx.register_full_backward_pre_hook(net, lambda m, g: (g[0] * 2,), where="down")
     b = hx.register_full_backward_hook(net, record, where="up")
     (h_model, h_x) = run(mode, grad, net, x)
     assert shapes == [((32, 8), (32, 16))]

@@ -12,6 +12,16 @@ from hookax.examples import NAMES, load
 F32 = jnp.float32
 
 
+def _vjp_of(f):
+    """Forward and backward of ``f`` w.r.t. every float leaf, pulled back on its own output."""
+
+    def run(*args):
+        out, pullback = jax.vjp(f, *args)
+        return pullback(out)
+
+    return run
+
+
 def _abstract(name):
     ex = load(name)
     return nnx.eval_shape(lambda: ex.make_model(nnx.Rngs(0))), ex.example_inputs()
@@ -34,7 +44,19 @@ def test_linear_flops_match_formula_and_xla_eager_and_abstract():
         ("f32[8,32]",),
     )
     assert (row.params, row.param_bytes) == (64 * 32 + 32, (64 * 32 + 32) * 4)
-    assert on_array.totals == hx.SummaryTotals(2080, 8320, 33_024, 0)
+    t = on_array.totals
+    assert (t.params, t.param_bytes, t.flops, t.shared_params, t.state) == (
+        2080,
+        8320,
+        33_024,
+        0,
+        (),
+    )
+    vjp = jax.jit(_vjp_of(lambda m, x: m(x))).lower(lin, x).cost_analysis()
+    assert t.vjp_flops == row.vjp_flops == vjp["flops"]
+    # A linear layer keeps only its input and kernel for the backward pass: no activations.
+    assert t.memory == hx.Memory(inputs=8 * 64 * 4, params=8320, gradients=8320, activations=0)
+    assert on_array.title == "Linear(f32[8,64])"
 
 
 @pytest.mark.parametrize(
@@ -156,10 +178,11 @@ def test_identical_call_sites_share_one_lowering(traces):
             return x
 
     s = hx.summary(Stack(nnx.Rngs(0)), jax.ShapeDtypeStruct((2, 8), F32))
-    assert traces.n == 4 + 1  # the traced call, then one lowering for all four layers
+    # The whole call forward and forward+backward, then one of each for all four layers.
+    assert traces.n == 4 + 4 + 1 + 1
     assert {r.flops for r in s.rows if r.type == "Layer"} == {2 * 2 * 8 * 8 + 2 * 8}
     hx.summary(Stack(nnx.Rngs(0)), jax.ShapeDtypeStruct((3, 8), F32))
-    assert traces.n == 5 + 4 + 1
+    assert traces.n == 10 + 4 + 4 + 1 + 1
 
 
 def test_json_round_trip():
@@ -174,9 +197,11 @@ def test_json_round_trip():
 def test_table_ends_with_totals_written_in_full():
     model, inputs = _abstract("mlp")
     lines = str(hx.summary(model, *inputs)).splitlines()
-    assert lines[-3] == "Total parameters: 235,146"
-    assert lines[-2] == "Parameter bytes: 940,584 (918.54 KiB)"
-    assert lines[-1].startswith("FLOPs (XLA cost analysis): ")
+    assert lines[0] == "MLP(f32[8,784])"
+    assert lines[-4] == "Total parameters: 235,146 (918.54 KiB)"
+    assert lines[-3].startswith("FLOPs (XLA cost analysis): forward ")
+    assert lines[-2].startswith("FLOPs forward+backward (VJP): ")
+    assert lines[-1].startswith("Memory of one training step (estimate): ")
 
 
 def test_nothing_weights_sized_is_allocated():
@@ -242,8 +267,216 @@ def test_call_sites_inside_nnx_scan_keep_their_paths():
     s = hx.summary(Scanned(nnx.Rngs(0)), jax.ShapeDtypeStruct((2, 8), F32))
     assert [r.key for r in s.rows] == ["", "blocks", "blocks/lin"]
     assert [r.params for r in s.rows] == [3 * 72, 3 * 72, 3 * 72]  # stacked parameters
-    # Rows inside the scan are one iteration: shapes and FLOPs of one layer.
+    assert [r.trips for r in s.rows] == [1, 3, 3]
+    # Shapes are one iteration's; FLOPs count all three trips.
     assert s.rows[2].inputs == s.rows[2].outputs == ("f32[2,8]",)
-    assert s.rows[2].flops == 2 * 2 * 8 * 8 + 2 * 8
-    # XLA's cost analysis counts a loop body once (a known limit of its count, kept as is).
+    linear = 2 * 2 * 8 * 8 + 2 * 8
+    assert s.rows[2].flops == 3 * linear
+    assert s.rows[1].flops == 3 * (linear + 2 * 8)  # and the ReLU
+    # XLA's cost analysis counts a loop body once; the total counts every trip (+2: the loop).
+    body_once = jax.jit(lambda m, x: m(x)).lower(Scanned(nnx.Rngs(0)), jnp.ones((2, 8), F32))
+    assert s.totals.flops == body_once.cost_analysis()["flops"] + 2 * (linear + 2 * 8)
     assert s.totals.flops == s.rows[1].flops + 2
+    assert "blocks/lin  x3" in str(s)
+
+
+class Net(nnx.Module):
+    """Parameters, batch statistics and an RNG stream: every kind of NNX state."""
+
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(8, 16, rngs=rngs)
+        self.bn = nnx.BatchNorm(16, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(self.bn(self.lin(x))))
+
+
+def _tabulate_rows(text):
+    """nnx.tabulate's plain table as {path: {column: cell text}} (multi-line cells joined)."""
+    lines = [ln for ln in text.splitlines() if ln.startswith(("┃", "│", "├"))]
+    header = [c.strip() for c in lines[0].strip("┃").split("┃")]
+    rows, block = {}, []
+    for ln in [*lines[1:], "├"]:
+        if ln.startswith("├") and block:
+            cells = [" ".join(" ".join(c).split()) for c in zip(*block, strict=True)]
+            if cells[1]:  # not the totals line
+                rows[cells[0]] = dict(zip(header, cells, strict=True))
+            block = []
+        elif ln.startswith("│"):
+            block.append([c.strip() for c in ln.strip("│").split("│")])
+    return rows
+
+
+def test_against_nnx_tabulate_counts_bytes_and_flops():
+    model = Net(nnx.Rngs(0, dropout=1))
+    x = jnp.ones((2, 8), F32)
+    text = nnx.tabulate(
+        model,
+        x,
+        compute_flops=True,
+        compute_vjp_flops=True,
+        console_kwargs={"width": 400, "force_terminal": False, "color_system": None},
+    )
+    theirs = _tabulate_rows(text)
+    s = hx.summary(model, x)
+    assert [r.key for r in s.rows] == ["", "lin", "bn", "drop", "out"]
+    for row in s.rows:
+        t = theirs[row.key]
+        assert (str(row.flops), str(row.vjp_flops)) == (t["flops"], t["vjp_flops"]), row.key
+        ours = {"Param": f"{row.params:,} ({row.param_bytes} B)"} if row.params else {}
+        ours |= {name: f"{n:,} ({b} B)" for name, n, b in row.state}
+        for column in ("Param", "BatchStat", "RngState"):
+            assert t[column].endswith(ours.get(column, "")), (row.key, column)
+            assert bool(t[column].strip()) == (column in ours), (row.key, column)
+    assert s.totals.state == (("BatchStat", 32, 128), ("RngState", 2, 12))
+    assert (s.totals.params, s.totals.non_trainable) == (244, 34)
+    assert "Total Parameters: 278 " in text
+    assert "Non-trainable: 34 (140 B): BatchStat 32 (128 B), RngState 2 (12 B)" in str(s)
+
+
+def test_variables_listed_on_request_and_train_switch():
+    model = nnx.eval_shape(lambda: Net(nnx.Rngs(0, dropout=1)))
+    s = hx.summary(model, "f32[2,8]", variables=True, depth=1)
+    rows = {r.key: r for r in s.rows}
+    assert rows["lin"].variables == ("bias: Param f32[16]", "kernel: Param f32[8,16]")
+    assert rows["drop"].variables == ("rngs/count: RngCount u32[]", "rngs/key: RngKey key<fry>[]")
+    assert hx.summary(model, "f32[2,8]").rows[1].variables == ()
+    # Dropout in eval mode does no work; in training mode it draws and masks.
+    train = {r.key: r.flops for r in hx.summary(model, "f32[2,8]", train=True).rows}
+    evals = {r.key: r.flops for r in hx.summary(model, "f32[2,8]", train=False).rows}
+    assert evals["drop"] == 0 and train["drop"] > 0
+    assert evals[""] < train[""]
+    assert model.drop.deterministic is False  # the summary switched a copy
+
+
+def test_memory_estimate_against_xla_memory_analysis():
+    model = load("mlp").MLP((16, 64, 64, 4), rngs=nnx.Rngs(0))
+    x = jax.ShapeDtypeStruct((32, 16), F32)
+    graphdef, params = nnx.split(model)
+
+    def step(params, x):
+        loss = lambda p: jnp.mean(nnx.merge(graphdef, p)(x) ** 2)  # noqa: E731
+        return jax.grad(loss)(params)
+
+    ma = jax.jit(step).lower(params, x).compile().memory_analysis()
+    xla = ma.argument_size_in_bytes + ma.output_size_in_bytes + ma.temp_size_in_bytes
+    m = hx.summary(model, x).totals.memory
+    assert m.activations == 2 * 32 * 64 * (4 + 4 + 1)  # ReLU outputs, their masks, zeros
+    assert m.total == pytest.approx(xla, rel=0.1)
+    exact = hx.summary(model, x, xla_memory=True).totals.memory
+    vjp = jax.jit(_vjp_of(lambda m, x: m(x))).lower(model, x).compile().memory_analysis()
+    assert (exact.source, exact.activations) == ("xla", vjp.temp_size_in_bytes)
+
+
+def test_reuse_pytree_outputs_named_kwargs_and_method():
+    class Shared(nnx.Module):
+        def __init__(self, rngs):
+            lin = nnx.Linear(4, 4, rngs=rngs)
+            self.layers = nnx.List([lin, lin])
+            self.proj = nnx.Linear(4, 2, rngs=rngs)
+
+        def __call__(self, x, *, cache, scale=1.0):
+            for layer in self.layers:
+                x = layer(x)
+            return {"logits": self.proj(x) * scale, "cache": (cache["k"] + 1, x)}
+
+        def encode(self, x):
+            return self.layers[0](x)
+
+    model = Shared(nnx.Rngs(0))
+    cache = {"k": jax.ShapeDtypeStruct((2, 3), F32), "v": None}
+    s = hx.summary(model, "f32[2,4]", cache=cache, scale=2.0)
+    assert [(r.key, r.same_as, r.params) for r in s.rows] == [
+        ("", None, 30),
+        ("layers/0", None, 20),
+        ("layers/0", "layers/0", 0),
+        ("proj", None, 10),
+    ]
+    assert "(same module as layers/0)" in str(s)
+    assert s.totals.params == 30
+    assert s.rows[0].inputs == ("f32[2,4]", "cache/k: f32[2,3]", "scale: 2.0")
+    assert s.rows[0].outputs == ("cache/0: f32[2,3]", "cache/1: f32[2,4]", "logits: f32[2,2]")
+    assert s.title == "Shared(f32[2,4], cache/k: f32[2,3], scale: 2.0)"
+    enc = hx.summary(model, "f32[5,4]", method="encode")
+    assert [r.key for r in enc.rows] == [":encode", "layers/0"]
+    assert enc.title == "Shared.encode(f32[5,4])"
+
+
+def test_no_inputs_shape_tuples_and_bad_specs_say_how_to_fix():
+    lin = nnx.Linear(4, 2, rngs=nnx.Rngs(0))
+    with pytest.raises(
+        hx.HookaxError,
+        match=r"cannot call Linear.__call__\(inputs.*missing a "
+        r"required argument: 'inputs'.*hx.summary\(model, \"f32\[8,784\]\"\)",
+    ):
+        hx.summary(lin)
+    with pytest.raises(
+        hx.HookaxError,
+        match=r"a tuple of ints is not an input shape.*"
+        r'hx.summary\(model, "f32\[8,4\]"\)',
+    ):
+        hx.summary(lin, (8, 4))
+    with pytest.raises(hx.HookaxError, match="cannot parse input spec 'f32\\[8,x\\]'"):
+        hx.summary(lin, "f32[8,x]")
+    with pytest.raises(hx.HookaxError, match="has no method 'encode'"):
+        hx.summary(lin, "f32[8,4]", method="encode")
+
+
+def test_vmap_rows_labelled_and_no_work_reads_zero():
+    class Head(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(8, 4, rngs=rngs)
+            self.drop = nnx.Dropout(0.0)
+
+        def __call__(self, x):
+            return jax.vmap(self.lin)(self.drop(x, deterministic=True))
+
+    s = hx.summary(Head(nnx.Rngs(0)), "f32[3,8]")
+    rows = {r.key: r for r in s.rows}
+    assert rows["drop"].flops == 0 and rows["drop"].vjp_flops == 0
+    assert rows["lin"].vmapped == (3,) and rows["lin"].inputs == ("f32[8]",)
+    assert rows["lin"].flops == 3 * (2 * 8 * 4 + 4)  # every element of the vmap
+    assert "lin  (vmap 3)" in str(s)
+
+
+def test_markdown_and_json_round_trip_keep_everything():
+    model = nnx.eval_shape(lambda: Net(nnx.Rngs(0, dropout=1)))
+    s = hx.summary(model, "f32[2,8]", variables=True)
+    assert hx.Summary.from_json(s.to_json()) == s
+    md = s.to_markdown().splitlines()
+    assert md[0] == "**Net(f32[2,8])**"
+    assert md[2] == "| Call site | Type | Inputs | Outputs | Params | FLOPs | VJP FLOPs |"
+    assert md[-5] == "- Total parameters: 244 (976 B)"
+
+
+def test_linen_nn_scan_rows_once_with_trip_count_and_batch_stats():
+    import flax.linen as nn
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return nn.relu(nn.Dense(8)(x)), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = True):
+            scan = nn.scan(
+                Layer, variable_axes={"params": 0}, split_rngs={"params": True}, length=5
+            )
+            x, _ = scan()(x, None)
+            return nn.BatchNorm(use_running_average=not train)(x)
+
+    s = hx.summary(Stack(), "f32[3,8]")
+    assert [(r.key, r.trips) for r in s.rows] == [
+        ("", 1),
+        ("ScanLayer_0", 5),
+        ("ScanLayer_0/Dense_0", 5),
+        ("BatchNorm_0", 1),
+    ]
+    dense = 2 * 3 * 8 * 8 + 3 * 8
+    assert s.rows[2].flops == 5 * dense
+    assert (s.totals.params, s.totals.state) == (5 * 72 + 16, (("batch_stats", 16, 64),))
+    # The train switch reaches Linen's own `train` argument.
+    assert hx.summary(Stack(), "f32[3,8]", train=False).rows[-1].flops < s.rows[-1].flops

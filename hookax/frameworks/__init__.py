@@ -9,8 +9,7 @@ An adapter is loaded the first time hookax is used while its framework is import
 * ``root_done()``: called when the outermost call site on this thread returns.
 
 Optional: ``relative_path(root, module)`` (a path without walking the model, where modules know
-their own: Linen), ``immutable`` (modules take only scoped hooks: Linen, Equinox) and
-``capture_help`` (why a value recorded inside an inner transform cannot be captured, and the fix).
+their own: Linen) and ``immutable`` (modules take only scoped hooks: Linen, Equinox).
 
 Adapters install when hookax is first used, or at ``import hookax`` for frameworks imported
 before it; Linen's also right after ``flax.linen`` is imported when hookax came first (an import

@@ -37,13 +37,6 @@ _call = _dispatch.call
 class EquinoxAdapter:
     name = "equinox"
     immutable = True
-    capture_help = (
-        "Its output was computed inside a JAX transform that runs within the captured function "
-        "(jax.vmap, eqx.filter_vmap, jax.lax.scan, jax.checkpoint, eqx.filter_jit, ...), whose "
-        "trace hookax cannot carry values out of, so it refuses rather than drop them. Apply "
-        "hx.capture inside the transform instead: eqx.filter_vmap(hx.capture(model))(x), or "
-        "return the value from the transformed function."
-    )
 
     def is_module(self, obj: Any) -> bool:
         return isinstance(obj, eqx.Module)

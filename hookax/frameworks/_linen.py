@@ -48,12 +48,6 @@ _BASE_NAMES = frozenset(n for n in dir(linen_module.Module) if n != "__call__")
 class LinenAdapter:
     name = "linen"
     immutable = True
-    capture_help = (
-        "Linen runs that call site inside a lifted transform (nn.vmap, nn.scan, nn.remat, "
-        "nn.jit, ...), whose trace hookax cannot carry values out of, so it refuses rather than "
-        "drop them. Capture outside the lifted transform (where= the transformed module), or "
-        "use Linen's capture_intermediates with the collection in the transform's variable_axes."
-    )
 
     def is_module(self, obj: Any) -> bool:
         return isinstance(obj, linen_module.Module)

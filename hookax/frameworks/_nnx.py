@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,7 +28,8 @@ _call = _dispatch.call
 
 class _Local(threading.local):
     def __init__(self) -> None:
-        # id(inner module) -> (inner, outer): modules an NNX transform rebuilt inside its body.
+        # id(inner module) -> (weakref to inner, outer): modules an NNX transform rebuilt inside
+        # its body. Weak: an inner module holds the body's tracers, which must not outlive it.
         self.aliases: dict[int, tuple[Any, Any]] = {}
 
 
@@ -51,7 +53,7 @@ class NNXAdapter:
         while module is not None and seen < 64:
             yield module
             hit = table.get(id(module))
-            module = hit[1] if hit is not None and hit[0] is module else None
+            module = hit[1] if hit is not None and hit[0]() is module else None
             seen += 1
 
     def record_aliases(self, ctx: Any) -> None:
@@ -63,7 +65,7 @@ class NNXAdapter:
         for index, inner in inner_refs.items():
             outer = outer_refs.get(index)
             if outer is not None and outer is not inner and isinstance(inner, nnx.Module):
-                table[id(inner)] = (inner, outer)
+                table[id(inner)] = (weakref.ref(inner), outer)
 
     def root_done(self) -> None:
         self._local.aliases.clear()

@@ -1,0 +1,222 @@
+"""hx.harvest in one process: stored rows are hx.capture's values; bad input leaves stores valid."""
+
+import errno
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import hookax as hx
+from hookax import _harvest_write
+from hookax._harvest import read
+from tests import harvest_worker as w
+
+
+def captured(model, batches, name, *, where="layers/*", row_axes=1, mask=None, dtype=None):
+    """The rows hx.capture gives for ``name`` over ``batches``, eagerly, masked and cast."""
+    out = []
+    for x in batches:
+        v = np.asarray(hx.capture(model, where=where)(x)[1][name][0])
+        v = v.reshape(-1, *v.shape[row_axes:])
+        if mask is not None:
+            v = v[np.asarray(mask(x)).reshape(-1)]
+        out.append(v if dtype is None else v.astype(dtype))
+    return np.concatenate(out)
+
+
+def store_contents(path):
+    """Everything a store holds: its description, every array (whole domain), its files."""
+    import tensorstore as ts
+
+    meta = json.loads((path / "hookax.json").read_text())
+    dirs = [a["dir"] for a in meta["arrays"].values()] + ["_source", "_batch_end"]
+    arrays = {}
+    for d in dirs:
+        spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(path / d)}}
+        arrays[d] = ts.open(spec, open=True).result().read().result()
+    files = sorted(str(p.relative_to(path)) for p in path.rglob("*"))
+    return meta, arrays, files
+
+
+def assert_same_store(a, b):
+    meta_a, arrays_a, files_a = store_contents(a)
+    meta_b, arrays_b, files_b = store_contents(b)
+    assert meta_a == meta_b
+    assert files_a == files_b
+    for d in arrays_a:
+        np.testing.assert_array_equal(arrays_a[d], arrays_b[d], err_msg=d)
+        assert arrays_a[d].dtype == arrays_b[d].dtype
+
+
+def test_rows_equal_capture(tmp_path):
+    model = w.make_model()
+    data = [x[:, 0] for x in w.host_batches(3)]  # (4, WIDTH) batches: one row per example
+    h = hx.harvest(model, data, where="layers/*", store=tmp_path / "s", progress=False)
+    assert h.names == ("layers/0", "layers/2")
+    assert (h.batches, h.rows, h.resumed_at) == (3, 12, 0)
+    for name in h.names:
+        np.testing.assert_array_equal(h.read(name), captured(model, data, name))
+    src = h.source()
+    np.testing.assert_array_equal(src[:, 0], np.repeat([0, 1, 2], 4))
+    np.testing.assert_array_equal(src[:, 1], np.tile(np.arange(4), 3))
+    meta = json.loads((tmp_path / "s" / "hookax.json").read_text())
+    assert meta["arrays"]["layers/2"] == {
+        "key": "layers/2",
+        "call": 0,
+        "part": "",
+        "shape": [6],
+        "dtype": "float32",
+        "dir": "layers.2",
+    }
+    assert (meta["batches"], meta["rows"], meta["complete"]) == (3, 12, True)
+    assert meta["model"] == "flax.nnx.helpers.Sequential"
+
+
+def test_mask_rows_dtype_and_a_function(tmp_path):
+    """Tokens as rows (row_axes=2), padding skipped, bfloat16, fn a function over the model."""
+    model = w.make_model()
+    data = w.host_batches(3)
+    h = hx.harvest(
+        lambda x: model(x) * 2,
+        data,
+        where="layers/0",
+        store=tmp_path / "s",
+        dtype=jnp.bfloat16,
+        mask=w.pad_mask,
+        row_axes=2,
+        overlap=False,
+        progress=False,
+    )
+    want = captured(model, data, "layers/0", row_axes=2, mask=w.pad_mask, dtype=jnp.bfloat16)
+    assert h.rows == len(want) < 3 * w.BATCH * w.SEQ
+    got = h.read("layers/0")
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(got, want)
+    kept = np.argwhere(np.stack([w.pad_mask(x) for x in data]))
+    np.testing.assert_array_equal(h.source(), kept)
+
+
+def test_several_calls_and_tuple_outputs(tmp_path):
+    class Pair(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.lin(x), self.lin(x + 1)
+
+    model = Pair()
+    data = [jnp.arange(4.0).reshape(2, 2), jnp.ones((2, 2))]
+    h = hx.harvest(model, data, store=tmp_path / "s", progress=False)
+    assert h.names == ("[0]", "[1]", "lin#0", "lin#1")  # the root's key is ""
+    lin = model.lin
+    np.testing.assert_array_equal(h.read("lin#1"), np.concatenate([lin(x + 1) for x in data]))
+    np.testing.assert_array_equal(h.read("[0]"), np.concatenate([lin(x) for x in data]))
+
+
+def test_resume_appends_and_complete_store_is_kept(tmp_path):
+    model = w.make_model()
+    data = [x[:, 0] for x in w.host_batches(4)]
+    hx.harvest(model, data, where="layers/*", store=tmp_path / "ref", progress=False)
+    hx.harvest(model, data[:2], where="layers/*", store=tmp_path / "s", progress=False)
+    h = hx.harvest(model, data, where="layers/*", store=tmp_path / "s", progress=False)
+    assert (h.resumed_at, h.batches) == (2, 4)
+    assert_same_store(tmp_path / "ref", tmp_path / "s")
+
+
+def test_store_of_other_shapes_is_refused(tmp_path):
+    model = w.make_model()
+    data = [x[:, 0] for x in w.host_batches(2)]
+    hx.harvest(model, data, where="layers/*", store=tmp_path / "s", progress=False)
+    before = store_contents(tmp_path / "s")
+    other = nnx.Sequential(nnx.Linear(w.WIDTH, 5, rngs=nnx.Rngs(0)))
+    with pytest.raises(
+        hx.HookaxError,
+        match=r"holds another harvest.*array 'layers/0': "
+        r"store has float32\[rows,8\], this run float32\[rows,5\].*overwrite=True",
+    ):
+        hx.harvest(other, data, where="layers/*", store=tmp_path / "s", progress=False)
+    with pytest.raises(hx.HookaxError, match=r"dtype.*bfloat16|store has float32"):
+        hx.harvest(model, data, where="layers/*", store=tmp_path / "s", dtype=jnp.bfloat16)
+    after = store_contents(tmp_path / "s")
+    assert before[0] == after[0] and before[2] == after[2]
+    h = hx.harvest(other, data, where="layers/*", store=tmp_path / "s", overwrite=True)
+    assert h.names == ("layers/0",)
+
+
+def test_not_a_store_and_rows_that_do_not_line_up(tmp_path):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    model = w.make_model()
+    x = w.host_batches(1)[0][:, 0]
+    with pytest.raises(hx.HookaxError, match="is not a hookax harvest store"):
+        hx.harvest(model, [x], where="layers/*", store=tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+    with pytest.raises(
+        hx.HookaxError,
+        match=r"'layers/2' has shape \(4, 6\).*not the batch's rows \(4, 8\).*row_axes=2",
+    ):
+        hx.harvest(model, [x], where="layers/*", store=tmp_path / "s", row_axes=2)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_failing_writer_leaves_a_valid_store(tmp_path, monkeypatch, overlap):
+    """A full disk at batch 2: a clear error, batches 0-1 committed, a rerun completes it."""
+    model = w.make_model()
+    data = [x[:, 0] for x in w.host_batches(5)]
+    hx.harvest(model, data, where="layers/*", store=tmp_path / "ref", progress=False)
+    real = _harvest_write.Writer._write_shard
+    calls = {"n": 0}
+
+    def full_disk(self, arr, *args):
+        calls["n"] += 1
+        if calls["n"] > 4:  # two arrays, one shard each: batch 2's first write
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, arr, *args)
+
+    monkeypatch.setattr(_harvest_write.Writer, "_write_shard", full_disk)
+    with pytest.raises(
+        hx.HookaxError,
+        match=r"writing batch 2 .* No space left on device.*The store is valid: it holds the 2 "
+        r"batches.*resumes at batch 2",
+    ):
+        hx.harvest(model, data, where="layers/*", store=tmp_path / "s", overlap=overlap)
+    stored = read(tmp_path / "s", "layers/2")
+    np.testing.assert_array_equal(stored, captured(model, data[:2], "layers/2"))
+    monkeypatch.setattr(_harvest_write.Writer, "_write_shard", real)
+    h = hx.harvest(model, data, where="layers/*", store=tmp_path / "s", progress=False)
+    assert h.resumed_at == 2
+    assert_same_store(tmp_path / "ref", tmp_path / "s")
+
+
+def test_sharded_values_written_shard_by_shard(tmp_path):
+    """Rows sharded over 2 devices, the last layer's features over 2 more: same rows as capture."""
+    h = w.sharded_run(str(tmp_path / "s"), jax.devices()[:4], n=3)
+    model = w.make_model()
+    data = w.host_batches(3)
+    for name in h.names:
+        want = captured(model, data, name, row_axes=2, mask=w.pad_mask)
+        np.testing.assert_array_equal(h.read(name), want)
+
+
+def test_cli_harvest(capsys, tmp_path):
+    from hookax._cli import main
+
+    argv = ["harvest", "--example", "mlp", "--where", "layers/*", "--batches", "3"]
+    code = main([*argv, "--dtype", "bf16", "--out", str(tmp_path / "s"), "--no-progress"])
+    out, err = capsys.readouterr()
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[:3] == [
+        "layers/0  bfloat16[24,256]",
+        "layers/1  bfloat16[24,128]",
+        "layers/2  bfloat16[24,10]",
+    ]
+    assert lines[3].startswith(f"wrote {tmp_path / 's'}: 3 batches, 24 rows, ")
+    meta = json.loads((tmp_path / "s" / "hookax.json").read_text())
+    assert meta["metadata"] == {"cli": {"input": ["f32[8,784]"], "seed": 0}}
+    code = main([*argv[:-1], "0", "--out", str(tmp_path / "t")])
+    assert code == 2
+    assert capsys.readouterr().err == "hookax: error: --batches takes an integer >= 1, got 0\n"
