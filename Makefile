@@ -8,7 +8,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export NO_MKDOCS_2_WARNING := 1
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: demo test test-newest test-oldest test-wheel lint typecheck docs bench lock install-dev install
+.PHONY: demo test test-newest test-oldest test-wheel lint typecheck docs bench lock install-dev install compat
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3)"; exit 1; }
@@ -61,3 +61,9 @@ bench: $(VENV)/.installed-dev
 lock: $(VENV)/.installed-dev
 	$(BIN)/python -m uv pip compile pyproject.toml --extra dev --python-version 3.11 -q \
 		--upgrade --custom-compile-command "make lock" -o requirements-dev.lock
+
+# Flax's NNX and Linen tests and Equinox's tests, without hookax, with it imported and with a no-op
+# interceptor and hooks around every test; prints a table. Slow (own venv and sources in
+# ~/.cache/hookax-compat), not part of `make test`. COMPAT_ARGS=--full runs every test file.
+compat:
+	$(PYTHON) compat/run.py $(COMPAT_ARGS)

@@ -37,7 +37,9 @@ from ._summary import Summary as Summary
 from ._summary import SummaryRow as SummaryRow
 from ._summary import SummaryTotals as SummaryTotals
 from ._summary import summary as summary
+from .frameworks import StaleTraceWarning as StaleTraceWarning
 from .frameworks import ensure_installed as _ensure_installed
+from .frameworks import key_linen_interceptors as key_linen_interceptors
 
 try:
     __version__ = _metadata.version("hookax")
@@ -55,6 +57,7 @@ __all__ = [
     "Select",
     "Selector",
     "SelectorError",
+    "StaleTraceWarning",
     "Summary",
     "SummaryRow",
     "SummaryTotals",
@@ -64,6 +67,7 @@ __all__ = [
     "hook_grad",
     "hooks",
     "intercept",
+    "key_linen_interceptors",
     "layer_grad_norms",
     "plot_grad_flow",
     "register_forward_hook",

@@ -52,6 +52,10 @@ def call(
         _errors.add_note(e, f"hookax: raised in {_describe(frame)}")
         raise
     finally:
+        # Break frame -> context -> orig_method -> frame, so the call site's module, arguments and
+        # tracers die with the call instead of waiting for the cycle collector (Linen's and JAX's
+        # leak checkers disable it).
+        frame.context = None
         stack.pop()
         if not stack:
             adapter.root_done()

@@ -156,7 +156,15 @@ def test_linen_capture_inside_lifted_transforms(lifted: Any) -> None:
     assert [v.shape for v in acts["inp"]] == [(2, 3)]
 
 
-def test_linen_intercept_methods_is_cache_correct_under_jit(traces: Any) -> None:
+def test_linen_intercept_methods_is_cache_correct_under_jit_when_keyed(traces: Any) -> None:
+    previous = hx.key_linen_interceptors()  # opt in (default: Linen's behaviour, unkeyed)
+    try:
+        _check_linen_intercept_methods_keyed(traces)
+    finally:
+        hx.key_linen_interceptors(previous)
+
+
+def _check_linen_intercept_methods_keyed(traces: Any) -> None:
     model = nn.Dense(2)
     x = jnp.ones((1, 3))
     params = model.init(jax.random.key(0), x)

@@ -1,0 +1,74 @@
+"""pytest plugin for ``make compat``: hookax imported and installed, optionally a no-op scope.
+
+Loaded with ``-p hookax_compat_plugin`` into a framework's own test suite. ``HOOKAX_COMPAT_WAY``:
+
+* ``imported``: import the frameworks, then hookax, and install its adapters (nothing active);
+* ``scoped``: the same, plus a no-op ``hx.intercept`` and no-op ``hx.hooks`` (forward pre-hook
+  and forward hook) active around every test's call (a unittest test's ``setUp`` included).
+
+At the end it writes how many call sites the no-op interceptor saw to ``HOOKAX_COMPAT_STATS``,
+the proof that hookax was really in the way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+WAY = os.environ.get("HOOKAX_COMPAT_WAY", "imported")
+SEEN = {"intercepted": 0, "hooked": 0, "tests": 0}
+
+
+def _noop(next_fun: Any, args: tuple, kwargs: dict, context: Any) -> Any:
+    SEEN["intercepted"] += 1
+    return next_fun(*args, **kwargs)
+
+
+def _pre(module: Any, args: tuple) -> None:
+    SEEN["hooked"] += 1
+
+
+def _post(module: Any, args: tuple, output: Any) -> None:
+    return None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for name in ("flax.linen", "flax.nnx", "equinox"):
+        with contextlib.suppress(ImportError):
+            importlib.import_module(name)
+    import hookax
+    from hookax import frameworks
+
+    frameworks.ensure_installed()
+    SEEN["hookax"] = hookax.__file__
+    SEEN["installed"] = sorted(frameworks.installed())
+
+
+@contextlib.contextmanager
+def _scope() -> Iterator[None]:
+    import hookax as hx
+
+    with hx.intercept(_noop), hx.hooks(forward_pre=_pre, forward=_post):
+        yield
+
+
+if WAY == "scoped":
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+        SEEN["tests"] += 1
+        with _scope():
+            yield
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    path = os.environ.get("HOOKAX_COMPAT_STATS")
+    if path:
+        with open(path, "w") as f:
+            json.dump({"way": WAY, **SEEN}, f)
