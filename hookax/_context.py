@@ -45,7 +45,7 @@ def _reduce_config(obj: Any) -> Any:
 copyreg.pickle(type(_ACTIVE_VALUE), _reduce_config)
 
 
-class _ByName(dict):  # type: ignore[type-arg]
+class _ByName(dict):
     """A dict pickled by reference, as the module global ``HOOKED`` (see :func:`_reduce_config`)."""
 
     def __reduce__(self) -> str:
