@@ -12,6 +12,7 @@ Two pieces of state exist, both per thread:
 
 from __future__ import annotations
 
+import copyreg
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,11 +25,38 @@ ACTIVE = jax.make_user_context(())
 _ACTIVE_VALUE = ACTIVE._obj  # the C++ config object: reading `.value` here is the fast path
 
 
+def _active_value() -> Any:
+    """``_ACTIVE_VALUE``, for unpickling: see :func:`_reduce_config`."""
+    return _ACTIVE_VALUE
+
+
+def _reduce_config(obj: Any) -> Any:
+    """Pickle ``_ACTIVE_VALUE`` by reference; refuse every other object of its type as before.
+
+    The method wrappers read ``_ACTIVE_VALUE`` as a global. cloudpickle pickles the methods of
+    a class defined in ``__main__`` or in a function by value, with the globals they read: this
+    makes the wrapper in the copy read this process's (or the loading process's) object.
+    """
+    if obj is _ACTIVE_VALUE:
+        return (_active_value, ())
+    raise TypeError(f"cannot pickle {type(obj).__name__!r} object")
+
+
+copyreg.pickle(type(_ACTIVE_VALUE), _reduce_config)
+
+
+class _ByName(dict):
+    """A dict pickled by reference, as the module global ``HOOKED`` (see :func:`_reduce_config`)."""
+
+    def __reduce__(self) -> str:
+        return "HOOKED"
+
+
 # Modules that hold per-module hooks, by id (dropped when hooks are removed or the module dies).
 # While any exist, every module call takes the slow path, so the call stack knows the root and
 # hooked call sites get their full path. (The wrappers also check each instance itself, so a
 # copy made by nnx.merge that carries hooks always runs them.)
-HOOKED: dict[int, Any] = {}
+HOOKED: dict[int, Any] = _ByName()
 
 
 def track_hooked(module: Any, hooked: bool) -> None:

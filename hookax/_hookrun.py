@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from . import _context, _hooks
-from ._errors import HookError
+from ._errors import HookError, add_note
 from ._grad import wrap_site
-from ._hookcheck import hook_name, noted_call
+from ._hookcheck import hook_name
 
 __all__ = ["run"]
 
@@ -66,13 +66,16 @@ def _where(frame: _context.Frame) -> str:
 
 
 def _pre(r: Rec, frame: _context.Frame, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    note = f"hookax: raised in forward pre-hook {hook_name(r.fn)} at {_where(frame)}"
+    try:
+        res = r.fn(frame.module, args, kwargs) if r.with_kwargs else r.fn(frame.module, args)
+    except BaseException as e:
+        # The note (and the call site's path in it) is built only when a hook raises.
+        add_note(e, f"hookax: raised in forward pre-hook {hook_name(r.fn)} at {_where(frame)}")
+        raise
     if not r.with_kwargs:
-        res = noted_call(r.fn, note, frame.module, args)
         if res is None:
             return args, kwargs
         return (res if isinstance(res, tuple) else (res,)), kwargs
-    res = noted_call(r.fn, note, frame.module, args, kwargs)
     if res is None:
         return args, kwargs
     if not (isinstance(res, tuple) and len(res) == 2 and isinstance(res[1], dict)):
@@ -87,11 +90,14 @@ def _pre(r: Rec, frame: _context.Frame, args: tuple, kwargs: dict) -> tuple[tupl
 
 def _post(r: Rec, frame: _context.Frame, args: tuple, kwargs: dict, out: Any) -> Any:
     """Run forward hook ``r``; it may return an output of any structure, as in PyTorch."""
-    note = f"hookax: raised in forward hook {hook_name(r.fn)} at {_where(frame)}"
-    if r.with_kwargs:
-        res = noted_call(r.fn, note, frame.module, args, kwargs, out)
-    else:
-        res = noted_call(r.fn, note, frame.module, args, out)
+    try:
+        if r.with_kwargs:
+            res = r.fn(frame.module, args, kwargs, out)
+        else:
+            res = r.fn(frame.module, args, out)
+    except BaseException as e:
+        add_note(e, f"hookax: raised in forward hook {hook_name(r.fn)} at {_where(frame)}")
+        raise
     return out if res is None else res
 
 

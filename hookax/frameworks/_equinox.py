@@ -38,6 +38,11 @@ class EquinoxAdapter:
     name = "equinox"
     immutable = True
 
+    def __reduce__(self) -> str:
+        # By reference: the method wrappers hold the adapter, and cloudpickle pickles the
+        # wrappers of a class defined in __main__ or in a function by value.
+        return "ADAPTER"
+
     def is_module(self, obj: Any) -> bool:
         return isinstance(obj, eqx.Module)
 

@@ -36,6 +36,11 @@ class _Local(threading.local):
 class NNXAdapter:
     name = "nnx"
 
+    def __reduce__(self) -> str:
+        # By reference: the method wrappers hold the adapter, and cloudpickle pickles the
+        # wrappers of a class defined in __main__ or in a function by value.
+        return "ADAPTER"
+
     def __init__(self) -> None:
         self._local = _Local()
 
