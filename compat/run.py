@@ -88,14 +88,10 @@ SELECTION = {
 
 
 def pins() -> dict[str, str]:
-    """The pinned versions of jax, jaxlib, flax and equinox, from pyproject.toml."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    reqs = list(project["dependencies"])
-    for extra in project["optional-dependencies"].values():
-        reqs += extra
+    """The versions of jax, jaxlib, flax and equinox in the development lock (the newest set)."""
     found = {}
-    for r in reqs:
-        m = re.fullmatch(r"(jax|jaxlib|flax|equinox)==([\w.]+)", r.strip())
+    for line in (ROOT / "requirements-dev.lock").read_text().splitlines():
+        m = re.fullmatch(r"(jax|jaxlib|flax|equinox)==([\w.]+)", line.strip())
         if m:
             found[m.group(1)] = m.group(2)
     return found
