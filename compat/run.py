@@ -33,7 +33,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import tomllib
 import urllib.request
 import xml.etree.ElementTree as ET
 from collections import Counter
