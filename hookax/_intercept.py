@@ -117,6 +117,10 @@ def tracked(entry: Entry, who: str, where: Any) -> Iterator[None]:
     but ``where=`` picked none of them (nothing runs on a jit cache hit: then nothing is said)."""
     from ._select import check_matched
 
+    if where is None:  # every module: nothing to check (a block may run only other methods)
+        with scoped(entry):
+            yield
+        return
     tracker = Tracker()
     entry = _intern(entry)
     mine = _context.trackers().setdefault(entry, [])

@@ -463,3 +463,17 @@ def test_no_tracer_leaks() -> None:
         for how in ("vmap", "cond", "fori", "while"):
             hx.capture(jax.jit(lambda m, x: m(x)))(Inside(how, nnx.Rngs(0)), x)
     assert_clean()
+
+
+def test_blocks_without_where_never_raise_when_only_other_methods_ran() -> None:
+    class WithMethod(nnx.Module):
+        def __init__(self) -> None:
+            self.lin = nnx.Linear(D, D, rngs=nnx.Rngs(0))
+
+        def encode(self, x: jax.Array) -> jax.Array:
+            return 2 * x
+
+    m = WithMethod()
+    with hx.hooks(forward=lambda mod, a, out: None), hx.intercept(lambda f, a, k, c: f(*a, **k)):
+        m.encode(jnp.ones(D))  # only a method that is not __call__ ran: where=None is no error
+    assert_clean()
