@@ -30,6 +30,11 @@ from ._hooks import register_full_backward_pre_hook as register_full_backward_pr
 from ._hooks import remove_hooks as remove_hooks
 from ._intercept import Interceptor as Interceptor
 from ._intercept import intercept as intercept
+from ._ops import OpRow as OpRow
+from ._ops import intercept_op as intercept_op
+from ._opslist import Ops as Ops
+from ._opslist import ops as ops
+from ._optrace import OpContext as OpContext
 from ._select import Select as Select
 from ._select import Selector as Selector
 from ._summary import Memory as Memory
@@ -54,6 +59,9 @@ __all__ = [
     "HookaxError",
     "Interceptor",
     "Memory",
+    "OpContext",
+    "OpRow",
+    "Ops",
     "Select",
     "Selector",
     "SelectorError",
@@ -67,8 +75,10 @@ __all__ = [
     "hook_grad",
     "hooks",
     "intercept",
+    "intercept_op",
     "key_linen_interceptors",
     "layer_grad_norms",
+    "ops",
     "plot_grad_flow",
     "register_forward_hook",
     "register_forward_pre_hook",

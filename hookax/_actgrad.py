@@ -85,17 +85,29 @@ def _discover(
         order[:] = list(_capture.collect(s.session))
         return [r.values for r in s.session.records]
 
+    shapes = eval_shape(probe, mode, args, kwargs)
+    return [(key, spec, avals) for (key, spec), avals in zip(found, shapes)], order
+
+
+def eval_shape(probe: Callable[..., Any], mode: Any, args: tuple, kwargs: dict) -> Any:
+    """``probe(*args, **kwargs)`` abstractly, through the framework's own ``eval_shape``
+    (``mode``: ``"equinox"``, true for NNX, false for plain JAX)."""
     if mode == "equinox":
         import equinox as eqx
 
-        shapes = eqx.filter_eval_shape(probe, *args, **kwargs)
-    elif mode:
+        return eqx.filter_eval_shape(probe, *args, **kwargs)
+    if mode:
         from flax import nnx
 
-        shapes = nnx.eval_shape(probe, *args, **kwargs)
-    else:
-        shapes = jax.eval_shape(probe, *args, **kwargs)
-    return [(key, spec, avals) for (key, spec), avals in zip(found, shapes)], order
+        return nnx.eval_shape(probe, *args, **kwargs)
+    return jax.eval_shape(probe, *args, **kwargs)
+
+
+def framework_mode(fn: Any, args: tuple, kwargs: dict) -> Any:
+    """How to run ``fn(*args)`` abstractly: ``"equinox"``, True (NNX) or False."""
+    if _is_nnx((args, kwargs, list(_capture.roots(fn)))):
+        return True
+    return "equinox" if _is_equinox((args, kwargs, list(_capture.roots(fn)))) else False
 
 
 def _zeros(records: list[Any]) -> list[list[Any]]:

@@ -8,6 +8,7 @@ leave the transform as outputs (``_tagrules``). See ``docs/design.md``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import types
@@ -15,9 +16,16 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import _intercept, _tags
+from . import _intercept, _ops, _tags
 from ._errors import HookaxError
-from ._select import ALL_METHODS, CALL_ONLY, as_selector, check_matched, resolve_instances
+from ._select import (
+    ALL_METHODS,
+    CALL_ONLY,
+    Select,
+    as_selector,
+    check_matched,
+    resolve_instances,
+)
 
 __all__ = ["capture", "session"]
 
@@ -75,21 +83,46 @@ def _check_collision(live: _tags.Session, ctx: Any) -> None:
 class _Session:
     """Context for one session: make it live, its marker active and its trace current."""
 
-    def __init__(self, session: _tags.Session, selector: Any, where: Any) -> None:
+    def __init__(
+        self, session: _tags.Session, selector: Any, where: Any, ops: tuple[Any, ...] = ()
+    ) -> None:
         self.session = session
         self.selector = selector
         self.where = where
+        self.ops = ops
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         s = self.session
         s.seen = set()
         s.matched = False
         entry = _intercept.Entry("intercept", _Marker(s.sid, self.selector), _EVERY_CALL_SITE)
-        with _intercept.scoped(entry):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_intercept.scoped(entry))
+            if self.ops:
+                s.op_notes = _ops.Notes()
+                handler = _ops.OpHandler("mark", s.sid, self.ops)
+                stack.enter_context(
+                    _intercept.scoped(_intercept.Entry("ops", handler, _ops.Sites(self.ops)))
+                )
+                stack.enter_context(_ops.named_softmax())
             out = _tags.run(s, fn, *args, **kwargs)
         if s.mode == "reap":  # a differentiated run follows a measuring run that checked it
-            check_matched(s.who, self.where, self.selector, s)
+            if self.where is not _NO_SITES:
+                check_matched(s.who, self.where, self.selector, s)
+            if self.ops:
+                _ops.check_ops(s.who, self.ops, s.op_notes)
         return out
+
+
+class _NoSites:
+    """``where=`` left out next to ``ops=``: no call site's output, only the operations."""
+
+    def __repr__(self) -> str:
+        return "<no call sites>"
+
+
+_NO_SITES: Any = _NoSites()
+_NONE_SELECTED = Select(types=())
 
 
 def next_sid() -> int:
@@ -97,11 +130,41 @@ def next_sid() -> int:
 
 
 def session(
-    who: str, where: Any, fn: Any, args: tuple, kwargs: dict, mode: str = "reap", probes: Any = None
+    who: str,
+    where: Any,
+    fn: Any,
+    args: tuple,
+    kwargs: dict,
+    mode: str = "reap",
+    probes: Any = None,
+    ops: tuple[Any, ...] = (),
 ) -> _Session:
-    """A session for ``who`` (``"hx.capture"``, ``"hx.value_and_grad"``) over ``fn(*args)``."""
-    selector = as_selector(resolve_instances(where, (fn, args, kwargs)), CALL_ONLY)
-    return _Session(_tags.Session(next_sid(), who, mode, probes), selector, where)
+    """A session for ``who`` (``"hx.capture"``, ``"hx.value_and_grad"``) over ``fn(*args)``;
+    ``ops`` are parsed ``ops=`` patterns, and ``where`` may be :data:`_NO_SITES`."""
+    if where is _NO_SITES:
+        selector: Any = _NONE_SELECTED
+    else:
+        selector = as_selector(resolve_instances(where, (fn, args, kwargs)), CALL_ONLY)
+    return _Session(_tags.Session(next_sid(), who, mode, probes), selector, where, ops)
+
+
+def where_and_ops(where: Any, ops: Any, who: str) -> tuple[Any, tuple[Any, ...]]:
+    """``where=`` (its default: every call site, or none when ``ops=`` is given) and the
+    parsed ``ops=`` patterns; malformed ones raise here, before the first call."""
+    patterns = _ops.parse_ops(ops, who)
+    if where is _DEFAULT:
+        where = _NO_SITES if patterns else None
+    if where is not _NO_SITES:
+        as_selector(where, CALL_ONLY)
+    return where, patterns
+
+
+class _Default:
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_DEFAULT: Any = _Default()
 
 
 def collect(session: _tags.Session) -> dict[str, tuple[Any, ...]]:
@@ -112,7 +175,9 @@ def collect(session: _tags.Session) -> dict[str, tuple[Any, ...]]:
     return {k: tuple(v) for k, v in acts.items() if v}
 
 
-def capture(fn: Callable[..., Any], *, where: Any = None) -> Callable[..., tuple[Any, dict]]:
+def capture(
+    fn: Callable[..., Any], *, where: Any = _DEFAULT, ops: Any = None
+) -> Callable[..., tuple[Any, dict]]:
     """Wrap ``fn`` to also return the outputs of the selected call sites it runs.
 
     ``forward = hx.capture(fn, where=...)``; ``y, acts = forward(*args, **kwargs)``. ``acts`` maps
@@ -129,10 +194,16 @@ def capture(fn: Callable[..., Any], *, where: Any = None) -> Callable[..., tuple
     ``lax.while_loop`` (the last iteration's value), ``jax.grad``, ``shard_map``. The active capture
     is part of the jit cache key.
 
+    ``ops=`` adds the values of operations inside call sites (:func:`hx.ops` lists their
+    addresses): ``acts["layers/0/attn:softmax"]`` is a tuple, one value per call of its call
+    site, carried through the same transforms (an operation inside a ``vmap`` written in the
+    call site is seen batched, as the call site computes it).
+
     Args:
       fn: a module, or any function that calls modules.
-      where: which call sites; default every module's ``__call__``. A module instance selects
-        that module.
+      where: which call sites; default every module's ``__call__``, or none when ``ops=`` is
+        given. A module instance selects that module.
+      ops: operation addresses (``"layers/0/attn:softmax"``, ``"**:dot_general#*"``), or a list.
 
     Returns:
       A function taking ``fn``'s arguments and returning ``(fn's output, acts)``.
@@ -156,10 +227,10 @@ def capture(fn: Callable[..., Any], *, where: Any = None) -> Callable[..., tuple
             f"type {type(fn).__name__}. Fix: hx.capture(model)(x), or "
             "hx.capture(lambda x: model(x))(x)."
         )
-    as_selector(where, CALL_ONLY)  # a malformed where= raises here, not at the first call
+    where, patterns = where_and_ops(where, ops, "hx.capture")  # malformed ones raise here
 
     def forward(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, tuple[Any, ...]]]:
-        s = session("hx.capture", where, fn, args, kwargs)
+        s = session("hx.capture", where, fn, args, kwargs, ops=patterns)
         y = s.run(fn, *args, **kwargs)
         return y, collect(s.session)
 

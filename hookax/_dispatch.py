@@ -76,6 +76,7 @@ def _run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dic
         return inner(*args, **kwargs)
     ctx = frame.context = _context.Context(frame, inner)
     chain = []
+    ops: list[Any] | None = None
     tracking = _trackers()
     for e in entries:
         if e.kind == "intercept":
@@ -84,6 +85,25 @@ def _run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dic
                 chain.append(e)
             if tracking:
                 _context.note_match(e, ctx, hit)
+        elif e.kind == "ops":
+            if ops is None:
+                ops = []
+            hit = e.selector.matches(ctx)
+            if hit:
+                ops.append(e)
+            if tracking:
+                _context.note_match(e, ctx, hit)
+    if ops is not None:
+        # Operations inside call sites: every call site gets its name-stack scope, and the
+        # method of one that an ops= pattern names runs under an OpTrace (``inner`` reads
+        # ``fn`` when it runs).
+        from ._ops import enter_site
+
+        scope, fn = enter_site(frame, ctx, ops, fn)
+        with scope:
+            if not chain:
+                return inner(*args, **kwargs)
+            return _link(chain, 0, inner, ctx, frame)(*args, **kwargs)
     if not chain:
         return inner(*args, **kwargs)
     return _link(chain, 0, inner, ctx, frame)(*args, **kwargs)

@@ -184,6 +184,7 @@ class Session:
         self.matched = False  # whether any call site was selected
         self.owners: dict[str, Any] = {}  # key -> the NNX module first selected under it
         self.starts: dict[str, None] = {}  # selected keys in the order their first call started
+        self.op_notes: Any = None  # ``_ops.Notes`` of a session with ops= (set by its runner)
 
     def on_tag(self, args: list[Any], key: str, spec: Spec) -> list[Any]:
         if self.mode == "reap":
