@@ -23,7 +23,6 @@ import jax.numpy as jnp
 
 from . import _capture, _tags
 from ._errors import HookaxError
-from ._select import CALL_ONLY, as_selector
 
 __all__ = ["value_and_grad"]
 
@@ -71,7 +70,7 @@ def _eqx_value_and_grad(
 
 
 def _discover(
-    fn: Any, where: Any, mode: Any, args: tuple, kwargs: dict
+    fn: Any, where: Any, ops: tuple[Any, ...], mode: Any, args: tuple, kwargs: dict
 ) -> tuple[list[Any], list[str]]:
     """The records a capture of ``fn(*args)`` makes, as ``(key, spec, avals)``, abstractly; and
     the keys in the order their first call started (the order ``hx.capture`` gives)."""
@@ -79,7 +78,7 @@ def _discover(
     order: list[str] = []
 
     def probe(*a: Any, **k: Any) -> Any:
-        s = _capture.session(WHO, where, fn, a, k)
+        s = _capture.session(WHO, where, fn, a, k, ops=ops)
         s.run(fn, *a, **k)
         found[:] = [(r.key, r.spec) for r in s.session.records]
         order[:] = list(_capture.collect(s.session))
@@ -124,7 +123,8 @@ def value_and_grad(
     fn: Callable[..., Any],
     argnums: int | tuple[int, ...] = 0,
     *,
-    where: Any = None,
+    where: Any = _capture._DEFAULT,
+    ops: Any = None,
     has_aux: bool = False,
 ) -> Callable[..., tuple[Any, Any, dict[str, tuple[Any, ...]]]]:
     """Like ``value_and_grad``, plus the gradient of the loss with respect to call-site outputs.
@@ -145,10 +145,17 @@ def value_and_grad(
     ``custom_jvp``/``custom_vjp`` function, or a ``shard_map`` body) raise
     :class:`hx.HookaxError` naming the call site; exclude them with ``where=``.
 
+    ``ops=`` adds gradients with respect to operations inside call sites
+    (``act_grads["layers/0/attn:softmax"]``), addressed as :func:`hx.ops` lists them. An
+    operation inside a ``custom_jvp``/``custom_vjp`` function has no gradient of its own (JAX
+    differentiates the function by its rule): address the function instead.
+
     Args:
       fn: the loss function; returns a scalar, or ``(scalar, aux)`` with ``has_aux=True``.
       argnums: which positional arguments ``grads`` is taken for.
-      where: which call sites; default every module's ``__call__``.
+      where: which call sites; default every module's ``__call__``, or none when ``ops=`` is
+        given.
+      ops: operation addresses (``"layers/0/attn:softmax"``), or a list.
       has_aux: whether ``fn`` returns ``(loss, aux)``.
 
     Returns:
@@ -170,7 +177,7 @@ def value_and_grad(
             f"hx.value_and_grad expects a loss function, got {fn!r} of type "
             f"{type(fn).__name__}. Fix: hx.value_and_grad(lambda model, x: model(x).sum())."
         )
-    as_selector(where, CALL_ONLY)  # a malformed where= raises here
+    where, patterns = _capture.where_and_ops(where, ops, WHO)  # malformed ones raise here
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
 
     @functools.wraps(fn)
@@ -185,13 +192,14 @@ def value_and_grad(
         nnx_mode = _is_nnx((args, kwargs, list(_capture.roots(fn))))
         nums_pos = tuple(n % len(args) for n in nums)
         eqx_mode = not nnx_mode and _is_equinox([args[n] for n in nums_pos])
-        records, order = _discover(fn, where, "equinox" if eqx_mode else nnx_mode, args, kwargs)
+        mode = "equinox" if eqx_mode else nnx_mode
+        records, order = _discover(fn, where, patterns, mode, args, kwargs)
         perturbs = _zeros(records)
         extra = len(args)
 
         def inner(*a: Any) -> Any:
             *fargs, p = a
-            s = _capture.session(WHO, where, fn, tuple(fargs), kwargs, "plant", p)
+            s = _capture.session(WHO, where, fn, tuple(fargs), kwargs, "plant", p, patterns)
             out = s.run(fn, *fargs, **kwargs)
             if s.session.used != len(p):
                 key = records[s.session.used][0]

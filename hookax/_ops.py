@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from . import _context, _tags
+from . import _tags
 from ._errors import HookaxError, SelectorError
 from ._fnkey import FnKey
 from ._optrace import OpContext, Walker, push_scope
@@ -52,9 +52,7 @@ class OpPattern:
     index: int | None  # None: every occurrence
 
     def matches(self, name: str, n: int) -> bool:
-        return (self.index is None or self.index == n) and bool(
-            _name_rx(self.name).fullmatch(name)
-        )
+        return (self.index is None or self.index == n) and bool(_name_rx(self.name).fullmatch(name))
 
 
 def parse_ops(ops: Any, who: str) -> tuple[OpPattern, ...]:
@@ -177,7 +175,7 @@ class Bound:
         h = self.handler
         if h.action == "mark":
             walker.touched = True
-            return _tags.mark(value, h.arg, op.address)
+            return _tags.mark(value, h.arg, op.address, op=True)
         if h.action == "edit":
             return walker.edit(h.arg.fn, op, value)
         h.arg.add(op, value, walker)
@@ -406,8 +404,8 @@ class Listing:
 
     @property
     def rows(self) -> list[OpRow]:
-        """Grouped by call (in the order calls started), in program order within each."""
-        return [self._rows[k] for k in sorted(self._rows, key=lambda k: (k[0], self.order[k]))]
+        """In program order (a child call site's operations where it was called)."""
+        return [self._rows[k] for k in sorted(self._rows, key=self.order.__getitem__)]
 
     def add(self, op: OpContext, value: Any, walker: Walker) -> None:
         import jax
@@ -416,17 +414,14 @@ class Listing:
         key = (walker.serial, op.address)
         if key in self._rows:
             return
-        self._rows[key] = (
-            OpRow(
-                op.address,
-                op.key,
-                op.name,
-                op.index,
-                op.primitive,
-                tuple(_spec(a.shape, a.dtype) for a in op.inputs),
-                tuple(_spec(np.shape(v), v.dtype) for v in jax.tree.leaves(value)),
-                op.source,
-                walker.named[-1] if walker.named else "",
-            )
+        self._rows[key] = OpRow(
+            op.address,
+            op.key,
+            op.name,
+            op.index,
+            op.primitive,
+            tuple(_spec(a.shape, a.dtype) for a in op.inputs),
+            tuple(_spec(np.shape(v), v.dtype) for v in jax.tree.leaves(value)),
+            op.source,
+            walker.named[-1] if walker.named else "",
         )
-

@@ -27,12 +27,11 @@ import itertools
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import numpy as np
 from jax._src import ad_checkpoint, core, pjit
-from jax._src import linear_util as lu
 from jax._src import source_info_util as siu
 from jax._src.lax.control_flow import conditionals, loops
 
@@ -123,7 +122,7 @@ def _source() -> str:
     for f in siu.user_frames(siu.current().traceback):
         if not f.file_name.startswith(_HERE):
             return f"{_short_path(f.file_name)}:{f.start_line} ({f.function_name})"
-    frame = sys._getframe(1)
+    frame: Any = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if siu.is_user_filename(name) and not name.startswith(_HERE):
@@ -146,7 +145,8 @@ def _struct(x: Any) -> Any:
     return jax.ShapeDtypeStruct(getattr(aval, "shape", ()), getattr(aval, "dtype", None))
 
 
-_SERIAL = itertools.count()
+_SERIAL = itertools.count()  # call sites, in the order they start
+_ORDER = itertools.count()  # operations, in program order (named functions before their insides)
 
 
 class Walker:
@@ -162,7 +162,6 @@ class Walker:
         self.key = ctx.key
         self.handlers = handlers
         self.counts: dict[str, int] = {}
-        self.order = 0  # operations counted so far: the current one's position
         self.serial = next(_SERIAL)  # orders call sites by when they started
         self.touched = False  # whether a handler marked or edited a value (inside the current walk)
         self.custom: list[str] = []  # addresses of the custom-derivative functions we are inside
@@ -177,9 +176,9 @@ class Walker:
         named function begins before what it contains)."""
         n = self.counts.get(name, 0)
         self.counts[name] = n + 1
-        self.order += 1
+        order = next(_ORDER)
         for h in self.handlers:
-            h.begin(self, name, n, self.order)
+            h.begin(self, name, n, order)
         return n
 
     def address(self, name: str, n: int) -> str:
@@ -224,6 +223,7 @@ class Walker:
             return value
         old_leaves, old_tree = jax.tree.flatten(value)
         new_leaves, new_tree = jax.tree.flatten(new)
+        old_tree, new_tree = cast(Any, old_tree), cast(Any, new_tree)
         if old_tree != new_tree:
             raise HookError(
                 f"hx.intercept_op: edit function {_fname(fn)} returned a value of structure "
@@ -275,7 +275,11 @@ class OpTrace(core.Trace):
         w = self.walker
         rule = DESCEND.get(prim)
         name = op_name(prim, params)
-        if prim is pjit.jit_p and (params.get("inline") or name == w.within_name()):
+        if (
+            rule is not None
+            and prim is pjit.jit_p
+            and (params.get("inline") or name == w.within_name())
+        ):
             # jax.numpy's functions are jitted with inline=True: they are inlined into the
             # program (no unit), so their primitives are the operations. A jit directly inside
             # a function of the same name (jax.nn.relu is a custom_jvp of a jit) is that function.
@@ -313,8 +317,13 @@ class OpTrace(core.Trace):
 
     def _custom(self, prim: Any, fun: Any, rules: tuple, args: Any, params: dict) -> Any:
         avals = [core.typeof(a) for a in args]
+
+        def bind(body: Any) -> Any:
+            p = {**params, "subfuns": (body, *rules)}
+            return prim.bind_with_trace(self.parent, args, avals, p)
+
         if not self.mine():
-            return prim.bind_with_trace(self.parent, args, avals, {**params, "subfuns": (fun, *rules)})
+            return bind(fun)
         w = self.walker
         name = fun_name(fun)
         n = w.next(name)
@@ -333,11 +342,10 @@ class OpTrace(core.Trace):
             w.names.pop()
         touched, w.touched = w.touched, before
         if touched:
-            body = _as_fun(closed, fun)
-            out = prim.bind_with_trace(self.parent, args, avals, {**params, "subfuns": (body, *rules)})
+            out = bind(_as_fun(closed, fun))
             _restore(saved, rules[0])
         else:  # nothing inside changed: the function as it was (its stores were emptied)
-            out = prim.bind_with_trace(self.parent, args, avals, {**params, "subfuns": (fun, *rules)})
+            out = bind(fun)
         with core.set_current_trace(self.parent):
             return w.apply(name, n, prim, args, list(out))
 

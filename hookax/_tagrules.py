@@ -187,7 +187,7 @@ def _bind(trace: HarvestTrace, prim: Any, args: list[Any], params: dict) -> list
 def _take(session: Session, metas: tuple[Meta, ...]) -> list[Any]:
     """The probes of this trace's session for ``metas``, flattened (plant)."""
     key = metas[0].key if metas else "?"
-    return _flat(session.take_probes(len(metas), key))
+    return _flat(session.take_probes(len(metas), key, metas[0].spec if metas else None))
 
 
 # ---- rules ---------------------------------------------------------------------------------
@@ -265,16 +265,16 @@ def _while(trace: HarvestTrace, args: Any, params: dict) -> Any:
     cond, body = params["cond_jaxpr"], params["body_jaxpr"]
     if s.sid in _sids(cond):
         raise HookaxError(
-            f"{s.who}: a selected call site runs in the condition of a jax.lax.while_loop; "
-            "hookax cannot carry its value out. Exclude it with where=."
+            f"{s.who}: a selected call site or operation runs in the condition of a "
+            "jax.lax.while_loop; hookax cannot carry its value out. Leave it out of where=/ops=."
         )
     reaped, metas = reap_jaxpr(body, s)
     if s.mode == "plant":
         raise HookaxError(
-            f"{s.who} cannot differentiate with respect to call site {metas[0].key!r}: it runs "
-            "inside a jax.lax.while_loop (or a fori_loop without static bounds), which JAX cannot "
-            "differentiate in reverse mode. Use jax.lax.scan or fori_loop with static bounds, or "
-            "exclude the call site with where=."
+            f"{s.who} cannot differentiate with respect to {metas[0].spec.what(metas[0].key)}: "
+            "it runs inside a jax.lax.while_loop (or a fori_loop without static bounds), which "
+            "JAX cannot differentiate in reverse mode. Use jax.lax.scan or fori_loop with static "
+            f"bounds, or {metas[0].spec.exclude}."
         )
     cn, bn = params["cond_nconsts"], params["body_nconsts"]
     avals = [a for m in metas for a in m.avals]
@@ -315,9 +315,9 @@ def _slots(all_metas: list[tuple[Meta, ...]]) -> list[tuple[str, int, Meta]]:
             prev = slots.setdefault((m.key, i), m)
             if prev.avals != m.avals or prev.spec != m.spec:
                 raise HookaxError(
-                    f"hookax: call site {m.key!r} returns different shapes or structures in the "
+                    f"hookax: {m.spec.what(m.key)} returns different shapes or structures in the "
                     f"branches of a jax.lax.cond/switch ({prev.avals} vs {m.avals}); its values "
-                    "cannot share one entry. Exclude it with where=."
+                    f"cannot share one entry. Fix: {m.spec.exclude}."
                 )
     return [(k, i, m) for (k, i), m in slots.items()]
 
@@ -457,9 +457,10 @@ def _as_fun(closed: core.ClosedJaxpr, like: Any) -> Any:
 
 def _no_plant(s: Session, metas: tuple[Meta, ...], what: str) -> None:
     raise HookaxError(
-        f"{s.who} cannot differentiate with respect to call site {metas[0].key!r}: it runs "
-        f"inside a function with a custom derivative ({what}), whose inside JAX never "
-        f"differentiates, so d loss / d (its output) is not defined. Exclude it with where=."
+        f"{s.who} cannot differentiate with respect to {metas[0].spec.what(metas[0].key)}: it "
+        f"runs inside a function with a custom derivative ({what}), whose inside JAX never "
+        f"differentiates, so d loss / d (its output) is not defined. Fix: {metas[0].spec.exclude}"
+        + (" (the function itself has an address: hx.ops lists it)." if metas[0].spec.op else ".")
     )
 
 
@@ -516,10 +517,10 @@ def custom_vjp(
     n_out = len(closed.out_avals)
     if trace.parent is not core.eval_trace:
         raise HookaxError(
-            f"{s.who}: call site {metas[0].key!r} runs inside a jax.custom_vjp function under a "
-            "transform (jit, grad, vmap); hookax cannot carry its value out without dropping "
-            "the function's custom gradient rule. Capture it eagerly (no jit around the call), "
-            "or exclude it with where=."
+            f"{s.who}: {metas[0].spec.what(metas[0].key)} runs inside a jax.custom_vjp function "
+            "under a transform (jit, grad, vmap); hookax cannot carry its value out without "
+            "dropping the function's custom gradient rule. Capture it eagerly (no jit around the "
+            f"call), or {metas[0].spec.exclude}."
         )
     for st, val in saved:
         st.store(val)
@@ -546,10 +547,11 @@ def shard_map(trace: HarvestTrace, prim: Any, fun: Any, args: Any, **params: Any
             return ft
         if s.mode == "plant":
             raise HookaxError(
-                f"{s.who} cannot differentiate with respect to call site "
-                f"{child.records[0].key!r}: it runs inside a jax.shard_map body, where hookax "
-                "cannot inject its probe yet. Differentiate inside the shard_map body "
-                "(hx.value_and_grad within it), or exclude the call site with where=."
+                f"{s.who} cannot differentiate with respect to "
+                f"{child.records[0].spec.what(child.records[0].key)}: it runs inside a "
+                "jax.shard_map body, where hookax cannot inject its probe yet. Differentiate "
+                "inside the shard_map body (hx.value_and_grad within it), or "
+                f"{child.records[0].spec.exclude}."
             )
         found[:] = [
             Meta(r.key, r.spec, tuple(core.typeof(v) for v in r.values), r.axes)

@@ -43,6 +43,16 @@ class Spec:
 
     treedef: Any
     static: tuple[tuple[int, Any], ...]  # (position, value) of leaves that are not arrays
+    op: bool = False  # an operation inside a call site (ops=), not a call site's output
+
+    def what(self, key: str) -> str:
+        """``"call site 'layers/0'"`` or ``"operation 'layers/0:exp'"``, for messages."""
+        return f"{'operation' if self.op else 'call site'} {key!r}"
+
+    @property
+    def exclude(self) -> str:
+        """How to leave it out, for messages."""
+        return "leave it out of ops=" if self.op else "exclude it with where="
 
     def rebuild(self, arrays: list[Any]) -> Any:
         it = iter(arrays)
@@ -65,18 +75,18 @@ tag_p.multiple_results = True
 
 
 def _tag_impl(*args: Any, sid: int, key: str, spec: Spec) -> Any:
-    _lost(sid, key)
+    _lost(sid, key, spec)
     return list(args)
 
 
-def _lost(sid: int, key: str) -> None:
+def _lost(sid: int, key: str, spec: Spec) -> None:
     s = live_session(sid)
     if s is not None:
         raise HookaxError(
-            f"{s.who}: call site {key!r} ran where hookax cannot carry its value out (outside the "
-            f"traces that {s.who} follows: inside jax.ensure_compile_time_eval, a callback, or a "
-            f"function compiled ahead of time with .lower()). Call the model directly inside the "
-            f"function given to {s.who}, or exclude this call site with where=."
+            f"{s.who}: {spec.what(key)} ran where hookax cannot carry its value out (outside "
+            f"the traces that {s.who} follows: inside jax.ensure_compile_time_eval, a callback, "
+            f"or a function compiled ahead of time with .lower()). Call the model directly "
+            f"inside the function given to {s.who}, or {spec.exclude}."
         )
 
 
@@ -85,7 +95,7 @@ tag_p.def_abstract_eval(lambda *avals, **_: list(avals))
 
 
 def _tag_lowering(ctx: Any, *args: Any, sid: int, key: str, spec: Spec) -> Any:
-    _lost(sid, key)
+    _lost(sid, key, spec)
     return list(args)
 
 
@@ -121,8 +131,9 @@ def _tag_dce(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
 pe.dce_rules[tag_p] = _tag_dce
 
 
-def mark(out: Any, sid: int, key: str) -> Any:
-    """Bind the mark of session ``sid`` on the array leaves of ``out``; the same tree back."""
+def mark(out: Any, sid: int, key: str, op: bool = False) -> Any:
+    """Bind the mark of session ``sid`` on the array leaves of ``out``; the same tree back.
+    ``op``: ``key`` is an operation's address."""
     leaves, treedef = jax.tree.flatten(out)
     arrays, static = [], []
     for i, leaf in enumerate(leaves):
@@ -134,7 +145,7 @@ def mark(out: Any, sid: int, key: str) -> Any:
                 static.append((i, leaf))
             except TypeError:
                 static.append((i, _Hashed(leaf)))
-    spec = Spec(treedef, tuple(static))
+    spec = Spec(treedef, tuple(static), op)
     if not arrays:
         live = live_session(sid)
         if live is not None:
@@ -197,10 +208,11 @@ class Session:
         if self.mode == "reap":
             self.records.append(Record(key, spec, []))
 
-    def take_probes(self, n: int, key: str) -> list[Any]:
+    def take_probes(self, n: int, key: str, spec: Spec | None = None) -> list[Any]:
         if self.used + n > len(self.probes):
+            what = spec.what(key) if spec is not None else repr(key)
             raise HookaxError(
-                f"{self.who}: call site {key!r} ran more often while differentiating than when "
+                f"{self.who}: {what} ran more often while differentiating than when "
                 f"its outputs were measured. The function must call the same modules the same "
                 f"number of times for the same inputs (no data-dependent Python control flow, no "
                 f"randomness in which modules run)."
@@ -210,7 +222,7 @@ class Session:
         return out
 
     def add_probe(self, args: list[Any], key: str, spec: Spec) -> list[Any]:
-        probes = self.take_probes(1, key)[0]
+        probes = self.take_probes(1, key, spec)[0]
         out = []
         for x, p in zip(args, probes):
             if p is None:
@@ -218,7 +230,7 @@ class Session:
                 continue
             if tuple(np.shape(x)) != tuple(p.shape):
                 raise HookaxError(
-                    f"{self.who}: call site {key!r} returned shape {np.shape(x)} while "
+                    f"{self.who}: {spec.what(key)} returned shape {np.shape(x)} while "
                     f"differentiating but {p.shape} when its outputs were measured."
                 )
             out.append(x + p.astype(x.dtype))
@@ -270,9 +282,10 @@ class HarvestTrace(core.Trace):
             rule = _tagrules.RULES.get(prim)
             if rule is None:
                 raise HookaxError(
-                    f"{self.session.who}: a selected call site runs inside a `{prim.name}` "
-                    f"primitive, which hookax cannot carry values out of. Exclude the call sites "
-                    f"inside it with where=, or call {self.session.who} inside that transform."
+                    f"{self.session.who}: a selected call site or operation runs inside a "
+                    f"`{prim.name}` primitive, which hookax cannot carry values out of. Leave "
+                    f"what runs inside it out of where=/ops=, or call {self.session.who} inside "
+                    f"that transform."
                 )
             return rule(self, args, params)
         return self.forward(prim, args, params)
