@@ -88,15 +88,13 @@ def _run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dic
         elif e.kind == "ops":
             if ops is None:
                 ops = []
-            hit = e.selector.matches(ctx)
-            if hit:
-                ops.append(e)
+            ops.append(e)
             if tracking:
-                _context.note_match(e, ctx, hit)
+                _context.note_match(e, ctx, e.selector.matches(ctx))
     if ops is not None:
         # Operations inside call sites: every call site gets its name-stack scope, and the
         # method of one that an ops= pattern names runs under an OpTrace (``inner`` reads
-        # ``fn`` when it runs).
+        # ``fn`` when it runs). Every ops entry sees every call site (for its error messages).
         from ._ops import enter_site
 
         scope, fn = enter_site(frame, ctx, ops, fn)

@@ -1,0 +1,387 @@
+"""Operations inside call sites: addresses, values, edits and gradients (issue: ops=).
+
+The attention probabilities of ``nnx.MultiHeadAttention`` (its default path runs
+``jax.nn.dot_product_attention``, which computes them under a ``vmap`` over head groups) are
+compared with what ``sow_weights=True`` records; zeroing one head with ``hx.intercept_op`` with
+the same module given an ``attention_fn`` that zeroes it by hand; gradients with central finite
+differences. Eagerly, under ``jax.jit`` with the model as an argument, ``nnx.jit``, in a decoder
+scanned with ``nnx.scan``, and under ``vmap``.
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import Any
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from flax.nnx.nn.attention import dot_product_attention_weights
+
+import hookax as hx
+from hookax import _context, _tags
+
+D, H, T, L, B = 8, 2, 4, 3, 2
+
+
+def close(a: Any, b: Any, tol: float = 2e-5) -> None:
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+def assert_clean() -> None:
+    assert _context.active_entries() == ()
+    assert _tags.depth() == 0
+
+
+def mha(seed: int = 0) -> nnx.MultiHeadAttention:
+    return nnx.MultiHeadAttention(
+        num_heads=H, in_features=D, qkv_features=D, decode=False, rngs=nnx.Rngs(seed)
+    )
+
+
+def sowed_weights(attn: nnx.MultiHeadAttention, x: jax.Array) -> jax.Array:
+    """What Flax itself records: ``sow_weights=True`` (its own attention path)."""
+    with warnings.catch_warnings():  # Flax 0.12 deprecates sow outside nnx.capture
+        warnings.simplefilter("ignore", DeprecationWarning)
+        attn(x, sow_weights=True)
+    (w,) = jax.tree.leaves(nnx.pop(attn, nnx.Intermediate))
+    return w  # (batch, heads, q, k)
+
+
+JITS = {
+    "eager": lambda f: f,
+    "jax.jit": jax.jit,
+    "nnx.jit": nnx.jit,
+}
+
+
+# ---- addresses ----------------------------------------------------------------------------
+
+
+class Two(nnx.Module):
+    def __init__(self) -> None:
+        self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        a = jnp.exp(x)
+        b = self.lin(a)
+        c = jnp.exp(b) * 2.0
+        return jax.nn.relu(c)
+
+
+def test_addresses_count_within_the_call_site_without_its_children() -> None:
+    m, x = Two(), jnp.linspace(-1, 1, 6).reshape(2, 3)
+    table = hx.ops(m, x)
+    assert table.addresses[:2] == [":exp", "lin:dot_general"]
+    root = [r for r in table.rows if r.key == ""]
+    assert [r.address for r in root][:2] == [":exp", ":exp#1"] and ":mul" in table.addresses
+    assert not any(r.name == "dot_general" for r in root)  # the child's, not the root's
+    relu = next(r for r in root if r.address == ":relu")
+    assert relu.primitive == "custom_jvp_call" and relu.outputs == ("f32[2,3]",)
+    inside = [r for r in root if r.within == ":relu"]
+    assert inside and all(r.key == "" for r in inside)
+    assert re.search(r"test_ops\.py:\d+ \(Two\.__call__\)", next(r for r in root).source)
+    text = str(table)
+    assert "lin:dot_general" in text and text.splitlines()[-1].endswith("in 2 call sites")
+    # values: the same addresses in capture, eagerly and under jax.jit with the model an argument
+    for f in (lambda m, x: hx.capture(m, ops=[":exp#1", "lin:add", ":relu"])(x),):
+        for jit in (lambda g: g, jax.jit):
+            y, acts = jit(f)(m, x)
+            # program order (a dict returned through jax.jit comes back with sorted keys)
+            assert list(acts) == sorted(acts) if jit is jax.jit else ["lin:add", ":exp#1", ":relu"]
+            close(acts[":exp#1"][0], jnp.exp(m.lin(jnp.exp(x))))
+            close(acts["lin:add"][0], m.lin(jnp.exp(x)))
+            close(acts[":relu"][0], y)
+    assert_clean()
+
+
+def test_where_limits_the_listing_and_selectors_that_match_nothing_raise() -> None:
+    m, x = Two(), jnp.ones((2, 3))
+    assert {r.key for r in hx.ops(m, x, where="lin")} == {"lin"}
+    with pytest.raises(hx.SelectorError, match="'lin'"):
+        hx.ops(m, x, where="lni")
+    with pytest.raises(hx.SelectorError, match=r"ops='lni:add' names no call site.*'lin'"):
+        hx.capture(m, ops="lni:add")(x)
+    with pytest.raises(hx.SelectorError, match=r"ops='lin:ad' matched no operation.*'lin:add'"):
+        hx.capture(m, ops="lin:ad")(x)
+    with pytest.raises(hx.SelectorError, match="not an operation address"):
+        hx.capture(m, ops="softmax")
+    with (
+        pytest.raises(hx.SelectorError, match="matched no operation"),
+        hx.intercept_op(lambda v, op: v, ops=":exp#7"),
+    ):
+        m(x)
+    assert_clean()
+
+
+def test_globs_and_every_occurrence() -> None:
+    m, x = Two(), jnp.ones((2, 3))
+    _, acts = hx.capture(m, ops=["**:exp#*"])(x)
+    assert list(acts) == [":exp", "lin:exp", ":exp#1", ":relu"] or set(acts) >= {":exp", ":exp#1"}
+    _, acts = hx.capture(m, ops=":exp#*")(x)
+    assert list(acts) == [":exp", ":exp#1"]
+
+
+# ---- nnx.MultiHeadAttention: probabilities, head ablation, gradients -----------------------
+
+
+@pytest.mark.parametrize("mode", JITS)
+def test_mha_probabilities_equal_sow_weights(mode: str) -> None:
+    attn, x = mha(), jax.random.normal(jax.random.key(1), (B, T, D))
+    y, acts = JITS[mode](lambda m, x: hx.capture(m, ops=":softmax")(x))(attn, x)
+    (probs,) = acts[":softmax"]
+    # jax.nn.dot_product_attention vmaps over head groups: (groups=1, batch, heads, q, k)
+    assert probs.shape == (1, B, H, T, T)
+    close(probs[0], sowed_weights(attn, x))
+    close(y, attn(x))
+    assert_clean()
+
+
+def ablated_attention(head: int) -> Any:
+    """An attention_fn that zeroes one head's probabilities: the edit made by hand."""
+
+    def attention(q: jax.Array, k: jax.Array, v: jax.Array, *args: Any, **kw: Any) -> jax.Array:
+        w = dot_product_attention_weights(q, k)  # (batch, heads, q, k)
+        w = w.at[:, head].set(0.0)
+        return jnp.einsum("...hqk,...khd->...qhd", w, v)
+
+    return attention
+
+
+def zero_head(head: int) -> Any:
+    def edit(probs: jax.Array, op: hx.OpContext) -> jax.Array:
+        return probs.at[..., head, :, :].set(0.0)  # (..., heads, q, k)
+
+    return edit
+
+
+@pytest.mark.parametrize("mode", JITS)
+def test_zeroing_a_head_equals_editing_the_module_by_hand(mode: str) -> None:
+    attn, x = mha(), jax.random.normal(jax.random.key(1), (B, T, D))
+    by_hand = nnx.clone(attn)
+    by_hand.attention_fn = ablated_attention(1)
+    f = JITS[mode](lambda m, x: m(x))
+    with hx.intercept_op(zero_head(1), ops=":softmax"):
+        got = f(attn, x)
+    close(got, by_hand(x))
+    assert not np.allclose(got, attn(x))  # outside the block the model is unchanged
+    close(f(attn, x), attn(x))
+    assert_clean()
+
+
+def test_edits_are_part_of_the_jit_cache_key() -> None:
+    attn, x = mha(), jax.random.normal(jax.random.key(1), (B, T, D))
+    traces = []
+
+    @jax.jit
+    def f(m: Any, x: jax.Array) -> jax.Array:
+        traces.append(1)
+        return m(x)
+
+    plain = f(attn, x)
+    edit = zero_head(0)
+    with hx.intercept_op(edit, ops=":softmax"):
+        a = f(attn, x)
+    with hx.intercept_op(edit, ops=":softmax"):
+        b = f(attn, x)
+    with hx.intercept_op(zero_head(1), ops=":softmax"):
+        c = f(attn, x)
+    close(f(attn, x), plain)
+    assert len(traces) == 3  # plain, head 0 (entered twice: one trace), head 1
+    close(a, b)
+    assert not np.allclose(a, c) and not np.allclose(a, plain)
+
+
+def test_gradients_of_operations_equal_finite_differences() -> None:
+    attn, x = mha(), jax.random.normal(jax.random.key(1), (B, T, D))
+
+    def loss(m: Any, x: jax.Array) -> jax.Array:
+        return jnp.sum(jnp.sin(m(x)))
+
+    value, grads, act_grads = hx.value_and_grad(loss, ops=[":softmax", "query:dot_general"])(
+        attn, x
+    )
+    close(value, loss(attn, x))
+    want = nnx.grad(loss)(attn, x)
+    jax.tree.map(lambda a, b: close(a, b, 1e-4), nnx.state(grads), nnx.state(want))
+    eps = 1e-3
+    for address, shape in ((":softmax", (1, B, H, T, T)), ("query:dot_general", (B, T, H, D // H))):
+        (g,) = act_grads[address]
+        assert g.shape == shape
+        d = jax.random.normal(jax.random.key(3), shape)
+        with hx.intercept_op(lambda v, op, d=d: v + eps * d, ops=address):
+            up = loss(attn, x)
+        with hx.intercept_op(lambda v, op, d=d: v - eps * d, ops=address):
+            down = loss(attn, x)
+        close((up - down) / (2 * eps), jnp.sum(g * d), 2e-3)
+    # jitted with the model as an argument: the same
+    _, _, jitted = jax.jit(lambda m, x: hx.value_and_grad(loss, ops=":softmax")(m, x))(attn, x)
+    close(jitted[":softmax"][0], act_grads[":softmax"][0])
+    assert_clean()
+
+
+# ---- a decoder scanned over layers, and the same layers in a Python loop --------------------
+
+
+class Layer(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.attn = nnx.MultiHeadAttention(
+            num_heads=H, in_features=D, qkv_features=D, decode=False, rngs=rngs
+        )
+        self.mlp = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = x + self.attn(x)
+        return h + jax.nn.gelu(self.mlp(h))
+
+
+class Scanned(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        @nnx.split_rngs(splits=L)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs: nnx.Rngs) -> Layer:
+            return Layer(rngs)
+
+        self.layers = make(rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x: jax.Array, layer: Layer) -> jax.Array:
+            return layer(x)
+
+        return body(x, self.layers)
+
+
+class Looped(nnx.Module):
+    def __init__(self, scanned: Scanned) -> None:
+        graphdef, state = nnx.split(scanned.layers)
+        self.layers = nnx.List(
+            [nnx.merge(graphdef, jax.tree.map(lambda a, i=i: a[i], state)) for i in range(L)]
+        )
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("mode", JITS)
+def test_scanned_decoder_probabilities_edits_and_gradients(mode: str) -> None:
+    scanned = Scanned(nnx.Rngs(0))
+    looped = Looped(scanned)
+    x = jax.random.normal(jax.random.key(2), (B, T, D))
+    run = JITS[mode]
+    _, got = run(lambda m, x: hx.capture(m, ops="layers/attn:softmax")(x))(scanned, x)
+    _, want = hx.capture(looped, ops="layers/*/attn:softmax")(x)
+    (stacked,) = got["layers/attn:softmax"]
+    assert stacked.shape == (L, 1, B, H, T, T)  # the scan axis first
+    for i in range(L):
+        close(stacked[i], want[f"layers/{i}/attn:softmax"][0])
+    # zeroing head 0 in every layer: scanned (one address) == looped (a glob) == by hand
+    with hx.intercept_op(zero_head(0), ops="layers/attn:softmax"):
+        edited = run(lambda m, x: m(x))(scanned, x)
+    with hx.intercept_op(zero_head(0), ops="layers/*/attn:softmax"):
+        edited_loop = looped(x)
+    by_hand = nnx.clone(looped)
+    for layer in by_hand.layers:
+        layer.attn.attention_fn = ablated_attention(0)
+    close(edited, by_hand(x))
+    close(edited_loop, by_hand(x))
+    # gradients with respect to the probabilities, per layer
+    loss = lambda m, x: jnp.sum(m(x) ** 2)  # noqa: E731
+    _, _, g = run(lambda m, x: hx.value_and_grad(loss, ops="layers/attn:softmax")(m, x))(scanned, x)
+    _, _, g2 = hx.value_and_grad(loss, ops="layers/*/attn:softmax")(looped, x)
+    for i in range(L):
+        close(g["layers/attn:softmax"][0][i], g2[f"layers/{i}/attn:softmax"][0], 1e-4)
+    assert_clean()
+
+
+def test_vmap_around_the_model_adds_the_batch_axis_in_front() -> None:
+    attn = mha()
+    xs = jax.random.normal(jax.random.key(1), (3, B, T, D))
+    _, acts = hx.capture(lambda xs: jax.vmap(attn)(xs), ops=":softmax")(xs)
+    (probs,) = acts[":softmax"]
+    assert probs.shape == (3, 1, B, H, T, T)
+    for i in range(3):
+        close(probs[i, 0], sowed_weights(attn, xs[i]))
+    _, inner = jax.vmap(lambda x: hx.capture(attn, ops=":softmax")(x))(xs)
+    close(inner[":softmax"][0], probs)
+    with hx.intercept_op(zero_head(1), ops=":softmax"):
+        edited = jax.vmap(attn)(xs)
+    by_hand = nnx.clone(attn)
+    by_hand.attention_fn = ablated_attention(1)
+    close(edited, jax.vmap(by_hand)(xs))
+    assert_clean()
+
+
+# ---- compiled programs ----------------------------------------------------------------------
+
+
+def _optimized_hlo(f: Any, *args: Any) -> str:
+    text = jax.jit(f).lower(*args).compile().as_text()
+    text = text.split("\nFileNames")[0]  # debug metadata: source files and stack frames
+    text = re.sub(r", metadata=\{[^}]*\}", "", text)  # op names and source lines
+    return "\n".join(line for line in text.splitlines() if not line.startswith("HloModule"))
+
+
+def test_a_noop_edit_compiles_to_the_same_optimized_hlo() -> None:
+    scanned, x = Scanned(nnx.Rngs(0)), jnp.ones((B, T, D))
+    f = lambda m, x: m(x)  # noqa: E731
+    none = _optimized_hlo(f, scanned, x)
+    with hx.intercept_op(lambda v, op: None, ops=["**:softmax", "**:dot_general#*"]):
+        noop = _optimized_hlo(f, scanned, x)
+    assert noop == none
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+def test_bad_edits_and_operations_without_a_gradient_raise_clearly() -> None:
+    attn, x = mha(), jnp.ones((B, T, D))
+    with (
+        pytest.raises(hx.HookError, match=r"returned shape \(3,\).*':softmax'"),
+        hx.intercept_op(lambda v, op: jnp.zeros(3), ops=":softmax"),
+    ):
+        attn(x)
+    with (
+        pytest.raises(hx.HookaxError, match=r"inside the custom-derivative function ':softmax'"),
+        hx.intercept_op(lambda v, op: v, ops=":exp"),
+    ):
+        attn(x)
+    with pytest.raises(hx.HookaxError, match=r"operation ':exp'.*custom derivative"):
+        hx.value_and_grad(lambda m, x: m(x).sum(), ops=":exp")(attn, x)
+    with pytest.raises(hx.HookError, match="fn\\(value, op\\)"):
+        hx.intercept_op(lambda v: v, ops=":softmax")
+    assert_clean()
+    close(attn(x), mha()(x))  # nothing left behind
+
+
+# ---- Linen and Equinox ----------------------------------------------------------------------
+
+
+def test_linen_and_equinox_operations() -> None:
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return jnp.tanh(nn.Dense(3, name="dense")(x))
+
+    x = jnp.ones((2, 4))
+    params = Net().init(jax.random.key(0), x)
+    apply = lambda x: Net().apply(params, x)  # noqa: E731
+    assert "dense:dot_general" in hx.ops(apply, x).addresses
+    y, acts = jax.jit(hx.capture(apply, ops=[":tanh", "dense:dot_general"]))(x)
+    close(acts[":tanh"][0], y)
+    with hx.intercept_op(lambda v, op: -v, ops=":tanh"):
+        close(apply(x), -y)
+
+    mlp = eqx.nn.MLP(4, 2, 5, 2, key=jax.random.key(0))
+    addresses = hx.ops(mlp, x[0]).addresses
+    assert "layers/0:dot_general" in addresses and ":relu" in addresses
+    y, acts = eqx.filter_jit(hx.capture(mlp, ops="layers/2:add"))(x[0])
+    close(acts["layers/2:add"][0], y)
+    assert_clean()
