@@ -1,9 +1,10 @@
-"""The ``hookax`` command line: ``hookax summary``, ``hookax gradflow`` and ``hookax harvest``.
+"""The ``hookax`` command line: ``hookax summary``, ``gradflow``, ``ops`` and ``harvest``.
 
     hookax summary --example cnn
     hookax summary mypkg.models:make_model --input "f32[8,224,224,3]" [--depth 2] [--format json]
     hookax summary ./mymodels.py:make --input "i32[1,128]" --kw cache.k="f32[1,128,64]" --eval
     hookax gradflow --example mlp --out gradflow.png [--where "layers/*"]
+    hookax ops --example transformer --where "layers/0/attn"
     hookax harvest --example transformer --where "layers/*/mlp" --batches 100 --out acts.zarr
 
 A factory is ``package.module:function`` (the current directory is importable) or
@@ -529,6 +530,28 @@ register(
         "gradients of one backward pass per layer (outputs and parameters), as a PNG figure",
         _gradflow_arguments,
         _gradflow,
+    )
+)
+
+
+def _ops_arguments(c: argparse.ArgumentParser) -> None:
+    from ._ops_cli import add_arguments
+
+    add_arguments(c)
+
+
+def _ops(args: argparse.Namespace) -> None:
+    from ._ops_cli import run
+
+    run(args)
+
+
+register(
+    Command(
+        "ops",
+        "the operations inside each call site, with the addresses ops= takes",
+        _ops_arguments,
+        _ops,
     )
 )
 

@@ -113,6 +113,11 @@ def fun_name(fun: Any) -> str:
 
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_ENGINE = (_HERE, os.path.join(_HERE, "frameworks"))  # hookax's own frames (not its examples)
+
+
+def _ours(filename: str) -> bool:
+    return os.path.dirname(filename) in _ENGINE
 
 
 def _source() -> str:
@@ -120,12 +125,12 @@ def _source() -> str:
     # A replayed operation's recorded traceback (JAX keeps its innermost frames only), then
     # the Python stack.
     for f in siu.user_frames(siu.current().traceback):
-        if not f.file_name.startswith(_HERE):
+        if not _ours(f.file_name):
             return f"{_short_path(f.file_name)}:{f.start_line} ({f.function_name})"
     frame: Any = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
-        if siu.is_user_filename(name) and not name.startswith(_HERE):
+        if siu.is_user_filename(name) and not _ours(name):
             return f"{_short_path(name)}:{frame.f_lineno} ({frame.f_code.co_qualname})"
         frame = frame.f_back
     return ""

@@ -601,3 +601,15 @@ def test_formats_version_and_64_bit_warning(capsys, factories):
     assert _error(capsys, "summary", "--example", "mlp", "--format", "yaml").startswith(
         "argument --format: invalid choice: 'yaml'"
     )
+
+
+def test_ops_lists_addresses_and_rejects_a_where_that_matches_nothing(capsys):
+    assert main(["ops", "--example", "transformer", "--where", "layers/0/attn"]) == 0
+    out = capsys.readouterr().out
+    assert "layers/0/attn:dot_general" in out and "transformer.py" in out
+    args = ["ops", "--example", "transformer", "--where", "layers/0/mlp", "--format", "json"]
+    assert main(args) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and all(r["key"] == "layers/0/mlp" for r in rows)
+    assert main(["ops", "--example", "transformer", "--where", "layers/9"]) == 2
+    assert "matched no call site" in capsys.readouterr().err
