@@ -1,0 +1,104 @@
+"""Operations inside call sites: what ``hx.ops``, ``ops=`` capture and op edits cost.
+
+On the example transformer (``hookax.examples.transformer``: 2 blocks, d_model 64, 4 heads,
+input i32[2,32]), in one run:
+
+1. listing: ``hx.ops(model, x)`` (every operation of every call site, abstractly) next to
+   ``jax.make_jaxpr`` of the same forward and ``hx.summary`` (best of 5 each);
+2. under ``nnx.jit``: the forward alone, with a no-op ``hx.intercept_op`` on every softmax and
+   matmul (optimized HLO compared without debug metadata), and ``hx.capture`` of both layers'
+   attention probabilities; run time (interleaved medians) and trace + compile time.
+
+    python -m benchmarks ops
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+from benchmarks._timing import interleaved, table
+
+
+def _best(fn: Callable[[], Any], n: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def _hlo(compiled: Any) -> str:
+    text = compiled.as_text().split("\nFileNames")[0]
+    text = re.sub(r", metadata=\{[^}]*\}", "", text)
+    return "\n".join(line for line in text.splitlines() if not line.startswith("HloModule"))
+
+
+def main() -> None:
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import hookax as hx
+    from hookax.examples import transformer
+
+    model = transformer.make_model(nnx.Rngs(0))
+    (spec,) = transformer.example_inputs()
+    x = jnp.zeros(spec.shape, spec.dtype)
+    n_ops = len(hx.ops(model, x))
+    listing = {
+        "jax.make_jaxpr (forward)": _best(lambda: jax.make_jaxpr(lambda x: model(x))(x)),
+        "hx.summary": _best(lambda: hx.summary(model, x)),
+        "hx.ops (every call site)": _best(lambda: hx.ops(model, x)),
+        "hx.ops (where=layers/0/attn)": _best(lambda: hx.ops(model, x, where="layers/0/attn")),
+    }
+    base = listing["jax.make_jaxpr (forward)"]
+    print(f"listing the {n_ops} operations of the example transformer (best of 5):")
+    print(
+        table(
+            [(k, f"{v * 1e3:.1f}", f"{v / base:.2f}") for k, v in listing.items()],
+            ("", "ms", "vs make_jaxpr"),
+        )
+    )
+
+    noop_ops = ["**:softmax", "**:dot_general#*"]
+    capture_ops = "layers/*/attn:softmax"
+
+    def plain(m: Any, x: jax.Array) -> Any:
+        return m(x)
+
+    def noop(m: Any, x: jax.Array) -> Any:
+        with hx.intercept_op(lambda v, op: None, ops=noop_ops):
+            return m(x)
+
+    def captured(m: Any, x: jax.Array) -> Any:
+        return hx.capture(m, ops=capture_ops)(x)
+
+    fns = {"forward": plain, "no-op intercept_op": noop, "capture(ops=softmax)": captured}
+    compile_s, jitted = {}, {}
+    for name, f in fns.items():
+        t0 = time.perf_counter()
+        compiled = nnx.jit(f).lower(model, x).compile()
+        compile_s[name] = time.perf_counter() - t0
+        jitted[name] = (nnx.jit(f), compiled)
+    same = _hlo(jitted["forward"][1]) == _hlo(jitted["no-op intercept_op"][1])
+    times = interleaved(
+        {name: (lambda j=j: jax.block_until_ready(j(model, x))) for name, (j, _) in jitted.items()},
+        rounds=15,
+        inner=20,
+    )
+    print(f"\nunder nnx.jit (no-op edit compiles to the same optimized HLO: {same}):")
+    rows = [
+        (
+            name,
+            f"{times[name] * 1e3:.3f}",
+            f"{times[name] / times['forward']:.2f}",
+            f"{compile_s[name]:.2f}",
+        )
+        for name in fns
+    ]
+    print(table(rows, ("", "ms/forward", "ratio", "trace+compile s")))
