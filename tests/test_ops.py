@@ -385,3 +385,78 @@ def test_linen_and_equinox_operations() -> None:
     y, acts = eqx.filter_jit(hx.capture(mlp, ops="layers/2:add"))(x[0])
     close(acts["layers/2:add"][0], y)
     assert_clean()
+
+
+# ---- transforms written inside the call site ----------------------------------------------
+
+
+@jax.jit
+def helper(x: jax.Array) -> jax.Array:
+    return jnp.cos(x) + 1.0
+
+
+class Inside(nnx.Module):
+    """Operations inside jax.checkpoint, lax.scan, lax.cond, while_loop and a jitted helper."""
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jax.checkpoint(lambda z: jnp.sin(z) * 2.0)(x)
+        y, _ = jax.lax.scan(lambda c, _: (jnp.tanh(c), None), y, None, length=3)
+        y = jax.lax.cond(y.sum() > -100.0, lambda z: jnp.exp(z), lambda z: z - 1.0, y)
+        y = jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, jnp.sqrt(c[1])), (0, y))[1]
+        return helper(y)
+
+
+def inside_by_hand(x: jax.Array, tanh_scale: float = 1.0) -> dict[str, Any]:
+    sin = jnp.sin(x)
+    y = sin * 2.0
+    tanhs = []
+    for _ in range(3):
+        y = jnp.tanh(y) * tanh_scale
+        tanhs.append(y)
+    exp = jnp.exp(y)
+    sqrt = jnp.sqrt(jnp.sqrt(exp))
+    return {"sin": sin, "tanh": jnp.stack(tanhs), "exp": exp, "sqrt": sqrt, "out": helper(sqrt)}
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_operations_inside_transforms_within_the_call_site(jit: bool) -> None:
+    m, x = Inside(), jnp.linspace(0.1, 1.0, 6).reshape(2, 3)
+    addresses = hx.ops(m, x).addresses
+    for a in (":checkpoint", ":sin", ":scan", ":tanh", ":cond", ":exp", ":while", ":helper"):
+        assert a in addresses
+    want = inside_by_hand(x)
+    run = jax.jit if jit else (lambda f: f)
+    names = [":sin", ":tanh", ":exp", ":sqrt", ":helper", ":cos"]
+    y, acts = run(lambda m, x: hx.capture(m, ops=names)(x))(m, x)
+    close(y, want["out"])
+    close(acts[":sin"][0], want["sin"])
+    close(acts[":tanh"][0], want["tanh"])  # stacked on the scan's axis
+    close(acts[":exp"][0], want["exp"])  # the branch taken
+    close(acts[":sqrt"][0], want["sqrt"])  # the last iteration's value
+    close(acts[":helper"][0], want["out"])
+    close(acts[":cos"][0], jnp.cos(want["sqrt"]))
+    # an edit inside the scan body
+    with hx.intercept_op(lambda v, op: v * 0.5, ops=":tanh"):
+        edited = run(lambda m, x: m(x))(m, x)
+    close(edited, inside_by_hand(x, 0.5)["out"])
+    assert_clean()
+
+
+def test_repeated_capture_of_operations_reuses_the_trace() -> None:
+    attn, x = mha(), jnp.ones((B, T, D))
+    traces = []
+
+    @jax.jit
+    def f(m: Any, x: jax.Array) -> Any:
+        traces.append(1)
+        return m(x)
+
+    forward = hx.capture(lambda m, x: f(m, x), ops=":softmax")
+    _, a = forward(attn, x)
+    _, b = forward(attn, x)
+    _, c = hx.capture(lambda m, x: f(m, x), ops=":softmax")(attn, x)
+    assert len(traces) == 1
+    close(a[":softmax"][0], b[":softmax"][0])
+    close(a[":softmax"][0], c[":softmax"][0])
+    f(attn, x)
+    assert len(traces) == 2  # outside the capture: traced again, without marks
