@@ -32,6 +32,7 @@ from ._intercept import Interceptor as Interceptor
 from ._intercept import intercept as intercept
 from ._ops import OpRow as OpRow
 from ._ops import intercept_op as intercept_op
+from ._ops import named_scopes as named_scopes
 from ._opslist import Ops as Ops
 from ._opslist import ops as ops
 from ._optrace import OpContext as OpContext
@@ -78,6 +79,7 @@ __all__ = [
     "intercept_op",
     "key_linen_interceptors",
     "layer_grad_norms",
+    "named_scopes",
     "ops",
     "plot_grad_flow",
     "register_forward_hook",

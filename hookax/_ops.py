@@ -31,6 +31,7 @@ __all__ = [
     "check_ops",
     "enter_site",
     "intercept_op",
+    "named_scopes",
     "parse_ops",
 ]
 
@@ -127,7 +128,8 @@ class OpHandler:
     """One consumer of operations; the key of its ``ops`` entry (compared by value).
 
     ``action``: ``"mark"`` (``arg`` is a session id: capture and gradients), ``"edit"`` (``arg``
-    is the edit function's :class:`FnKey`), ``"list"`` (``arg`` is a listing, by identity).
+    is the edit function's :class:`FnKey`), ``"list"`` (``arg`` is a listing, by identity),
+    ``"scope"`` (no patterns: only the name-stack labels of :func:`named_scopes`).
     """
 
     action: str
@@ -189,7 +191,9 @@ def _notes_for(handler: OpHandler) -> Notes | None:
     if handler.action == "edit":
         stack = _TRACKERS.notes.get(handler)
         return stack[-1] if stack else None
-    return handler.arg.notes
+    if handler.action == "list":
+        return handler.arg.notes
+    return None  # "scope": labels only
 
 
 def enter_site(frame: Any, ctx: Any, entries: list[Any], fn: Callable[..., Any]) -> tuple[Any, Any]:
@@ -312,6 +316,29 @@ def _edit_block(handler: OpHandler) -> Iterator[None]:
         if not stack:
             del _TRACKERS.notes[handler]
     check_ops("hx.intercept_op", handler.patterns, notes)
+
+
+def named_scopes() -> contextlib.AbstractContextManager[None]:
+    """Label every call site's operations with its module path, for the duration of a block.
+
+    Each module call pushes its path on JAX's name stack (as ``jax.named_scope`` does), so the
+    HLO's ``op_name`` metadata and profiler traces (``jax.profiler``, TensorBoard, Perfetto) read
+    ``jit(step)/.../layers/0/attn/dot_general`` instead of a flat list. The labels are debug
+    metadata: the optimized program is the same. Active scopes are part of the jit cache key, so
+    a function traced inside the block is traced again outside it.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import hookax as hx
+    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
+    >>> with hx.named_scopes():
+    ...     compiled = jax.jit(lambda m, x: m(x)).lower(model, jnp.ones((1, 2))).compile()
+    >>> 'op_name="jit(<lambda>)/Sequential/layers/0/dot_general"' in compiled.as_text()
+    True
+    """
+    from ._intercept import Entry, scoped
+
+    return scoped(Entry("ops", OpHandler("scope", None, ()), Sites(())))
 
 
 def intercept_op(

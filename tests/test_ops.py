@@ -460,3 +460,15 @@ def test_repeated_capture_of_operations_reuses_the_trace() -> None:
     close(a[":softmax"][0], c[":softmax"][0])
     f(attn, x)
     assert len(traces) == 2  # outside the capture: traced again, without marks
+
+
+def test_named_scopes_label_operations_by_module_path_only() -> None:
+    scanned, x = Scanned(nnx.Rngs(0)), jnp.ones((B, T, D))
+    f = lambda m, x: m(x)  # noqa: E731
+    with hx.named_scopes():
+        text = jax.jit(f).lower(scanned, x).compile().as_text()
+        labelled = _optimized_hlo(f, scanned, x)
+    names = set(re.findall(r'op_name="([^"]*)"', text))
+    assert any(n.endswith("layers/attn/query/dot_general") for n in names), sorted(names)[:5]
+    assert labelled == _optimized_hlo(f, scanned, x)
+    assert_clean()
