@@ -94,10 +94,10 @@ def ops(fn: Callable[..., Any], *args: Any, where: Any = None, **kwargs: Any) ->
     ...     def __init__(self):
     ...         self.lin = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
     ...     def __call__(self, x):
-    ...         return jax.nn.softmax(self.lin(x) * 2.0)
-    >>> table = hx.ops(Block(), jnp.ones((2, 3)), where="")
-    >>> table.addresses[:3]
-    [':mul', ':softmax', ':reduce_max']
+    ...         return jnp.exp(jax.nn.softmax(self.lin(x)))
+    >>> table = hx.ops(Block(), jnp.ones((2, 3)))
+    >>> [(r.address, r.within) for r in table if r.name in ("softmax", "exp", "dot_general")]
+    [('lin:dot_general', ''), (':softmax', ''), (':exp', ':softmax'), (':exp#1', '')]
     """
     from ._actgrad import eval_shape, framework_mode
     from ._intercept import Entry, tracked
