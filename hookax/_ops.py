@@ -171,7 +171,7 @@ class Bound:
             if live is not None:
                 live.starts.setdefault(address)
         else:
-            h.arg.order[(walker.serial, address)] = order
+            h.arg.order.setdefault(address, order)
 
     def visit(self, walker: Walker, op: OpContext, value: Any) -> Any:
         h = self.handler
@@ -426,8 +426,8 @@ class Listing:
 
     def __init__(self) -> None:
         self.notes = Notes()
-        self.order: dict[tuple[int, str], int] = {}  # (call, address) -> position in the call
-        self._rows: dict[tuple[int, str], OpRow] = {}
+        self.order: dict[str, int] = {}  # address -> where it first began, in program order
+        self._rows: dict[str, OpRow] = {}
 
     @property
     def rows(self) -> list[OpRow]:
@@ -438,10 +438,10 @@ class Listing:
         import jax
         import numpy as np
 
-        key = (walker.serial, op.address)
-        if key in self._rows:
+        # One row per address: a call site called (or traced) again has the same operations
+        if op.address in self._rows:
             return
-        self._rows[key] = OpRow(
+        self._rows[op.address] = OpRow(
             op.address,
             op.key,
             op.name,

@@ -150,7 +150,6 @@ def _struct(x: Any) -> Any:
     return jax.ShapeDtypeStruct(getattr(aval, "shape", ()), getattr(aval, "dtype", None))
 
 
-_SERIAL = itertools.count()  # call sites, in the order they start
 _ORDER = itertools.count()  # operations, in program order (named functions before their insides)
 
 
@@ -167,7 +166,6 @@ class Walker:
         self.key = ctx.key
         self.handlers = handlers
         self.counts: dict[str, int] = {}
-        self.serial = next(_SERIAL)  # orders call sites by when they started
         self.touched = False  # whether a handler marked or edited a value (inside the current walk)
         self.custom: list[str] = []  # addresses of the custom-derivative functions we are inside
         self.named: list[str] = []  # addresses of the named operations we are inside
