@@ -473,3 +473,46 @@ def test_named_scopes_label_operations_by_module_path_only() -> None:
     assert any(n.endswith("layers/attn/query/dot_general") for n in names), sorted(names)[:5]
     assert labelled == _optimized_hlo(f, scanned, x)
     assert_clean()
+
+
+def test_linen_scan_and_equinox_vmap_inside_the_model() -> None:
+    class Cell(nn.Module):
+        @nn.compact
+        def __call__(self, c: jax.Array, x: Any) -> tuple[jax.Array, jax.Array]:
+            h = jnp.tanh(nn.Dense(4, name="d")(c))
+            return h, h
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            scan = nn.scan(Cell, variable_axes={"params": 0}, split_rngs={"params": True}, length=3)
+            return scan(name="cell")(x, None)[0]
+
+    x = jnp.linspace(-1, 1, 8).reshape(2, 4)
+    params = Net().init(jax.random.key(0), x)
+    f = lambda x: Net().apply(params, x)  # noqa: E731
+    assert hx.ops(f, x).addresses == [
+        "cell/d:dot_general",
+        "cell/d:reshape",
+        "cell/d:add",
+        "cell:tanh",
+        ":scan",
+    ]
+    _, acts = jax.jit(hx.capture(f, ops="cell:tanh"))(x)
+    c, want = x, []
+    for i in range(3):
+        d = jax.tree.map(lambda a, i=i: a[i], params["params"]["cell"]["d"])
+        c = jnp.tanh(c @ d["kernel"] + d["bias"])
+        want.append(c)
+    close(acts["cell:tanh"][0], jnp.stack(want))  # stacked on nn.scan's axis
+
+    class M(eqx.Module):
+        lin: eqx.nn.Linear
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return jax.vmap(self.lin)(x)
+
+    m = M(eqx.nn.Linear(4, 3, key=jax.random.key(0)))
+    _, acts = hx.capture(m, ops="lin:dot_general")(x)
+    close(acts["lin:dot_general"][0], x @ m.lin.weight.T)  # the batch axis in front
+    assert_clean()
