@@ -355,19 +355,15 @@ class OpTrace(core.Trace):
     def process_shard_map(self, prim: Any, fun: Any, args: Any, **params: Any) -> Any:
         if not self.mine():
             return self.parent.process_shard_map(prim, fun, args, **params)
+        # Transparent, like an inlined jit: its body's (per-shard) operations are the call
+        # site's, and their values leave stacked per shard (the shard_map rule of _tagrules).
         w = self.walker
-        n = w.next("shard_map")
 
         def body(*a: Any) -> Any:
             with core.set_current_trace(OpTrace(core.trace_ctx.trace, w)):
                 return fun(*a)
 
-        w.named.append(w.address("shard_map", n))
-        try:
-            out = self.parent.process_shard_map(prim, body, args, **params)
-        finally:
-            w.named.pop()
-        return out
+        return self.parent.process_shard_map(prim, body, args, **params)
 
     def cur_qdd(self, x: Any) -> Any:
         return self.parent.cur_qdd(x)

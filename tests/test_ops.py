@@ -516,3 +516,26 @@ def test_linen_scan_and_equinox_vmap_inside_the_model() -> None:
     _, acts = hx.capture(m, ops="lin:dot_general")(x)
     close(acts["lin:dot_general"][0], x @ m.lin.weight.T)  # the batch axis in front
     assert_clean()
+
+
+def test_operations_in_a_shard_map_body_are_stacked_per_shard() -> None:
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((4,), ("data",))
+
+    class M(nnx.Module):
+        def __call__(self, x: jax.Array) -> jax.Array:
+            body = lambda x: jnp.tanh(x) * 3.0  # noqa: E731
+            return jax.shard_map(body, mesh=mesh, in_specs=P("data"), out_specs=P("data"))(x)
+
+    x = jax.device_put(jnp.linspace(-1, 1, 32).reshape(8, 4), NamedSharding(mesh, P("data")))
+    assert ":tanh" in hx.ops(M(), x).addresses
+    for f in (lambda m, x: m(x), jax.jit(lambda m, x: m(x))):
+        _, acts = hx.capture(f, ops=":tanh")(M(), x)
+        (per_shard,) = acts[":tanh"]
+        assert per_shard.shape == (4, 2, 4)
+        close(per_shard.reshape(8, 4), jnp.tanh(x))
+        with hx.intercept_op(lambda v, op: -v, ops=":tanh"):
+            close(f(M(), x), -3.0 * jnp.tanh(x))
+    assert_clean()
