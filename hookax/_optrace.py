@@ -243,7 +243,14 @@ class Walker:
                     f"value is used by the rest of the program as it was traced. Return an "
                     f"array of shape {sa}."
                 )
-            out.append(jax.numpy.asarray(b).astype(core.typeof(a).dtype))
+            want, got = core.typeof(a), core.typeof(b)
+            if got.dtype != want.dtype and not getattr(got, "weak_type", False):
+                raise HookError(
+                    f"hx.intercept_op: edit function {_fname(fn)} returned dtype {got.dtype} "
+                    f"for operation {op.address!r}, whose output is {want.dtype}. Return "
+                    f"{want.dtype} (value.astype(...))."
+                )
+            out.append(jax.numpy.asarray(b, want.dtype))
         self.touched = True
         return old_tree.unflatten(out)
 

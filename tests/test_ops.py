@@ -350,6 +350,13 @@ def test_bad_edits_and_operations_without_a_gradient_raise_clearly() -> None:
     ):
         attn(x)
     with (
+        pytest.raises(hx.HookError, match=r"returned dtype int32.*float32"),
+        hx.intercept_op(lambda v, op: jnp.zeros(v.shape, jnp.int32), ops=":softmax"),
+    ):
+        attn(x)
+    with hx.intercept_op(lambda v, op: v * 0 + 1, ops=":softmax"):  # weak Python scalars: fine
+        attn(x)
+    with (
         pytest.raises(hx.HookaxError, match=r"inside the custom-derivative function ':softmax'"),
         hx.intercept_op(lambda v, op: v, ops=":exp"),
     ):
