@@ -5,7 +5,9 @@ input i32[2,32]), in one run:
 
 1. listing: ``hx.ops(model, x)`` (every operation of every call site, abstractly) next to
    ``jax.make_jaxpr`` of the same forward and ``hx.summary`` (best of 5 each);
-2. under ``nnx.jit``: the forward alone, with a no-op ``hx.intercept_op`` on every softmax and
+2. ``hx.ops`` of a Llama-7B-shaped decoder (``transformer.LLAMA_7B``, made with
+   ``nnx.eval_shape``, input i32[1,2048]), abstractly: operations, wall time, peak RSS;
+3. under ``nnx.jit``: the forward alone, with a no-op ``hx.intercept_op`` on every softmax and
    matmul (optimized HLO compared without debug metadata), and ``hx.capture`` of both layers'
    attention probabilities; run time (interleaved medians) and trace + compile time.
 
@@ -65,6 +67,8 @@ def main() -> None:
         )
     )
 
+    llama_7b()
+
     noop_ops = ["**:softmax", "**:dot_general#*"]
     capture_ops = "layers/*/attn:softmax"
 
@@ -102,3 +106,32 @@ def main() -> None:
         for name in fns
     ]
     print(table(rows, ("", "ms/forward", "ratio", "trace+compile s")))
+
+
+def llama_7b() -> None:
+    import resource
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import hookax as hx
+    from hookax._ops_cli import _abstract_call
+    from hookax.examples import transformer
+
+    model = nnx.eval_shape(lambda: transformer.Decoder(transformer.LLAMA_7B, rngs=nnx.Rngs(0)))
+    fn, args = _abstract_call(model, (jax.ShapeDtypeStruct((1, 2048), jnp.int32),), {}, False)
+    t0 = time.perf_counter()
+    table = hx.ops(fn, *args)
+    listed = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    jax.make_jaxpr(fn)(*args)
+    traced = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak_mib = peak / 2**20 if sys.platform == "darwin" else peak / 2**10
+    print(
+        f"\nLlama-7B-shaped decoder, abstract: {len(table)} operations in "
+        f"{len({r.key for r in table.rows})} call sites listed in {listed:.2f} s "
+        f"(jax.make_jaxpr: {traced:.2f} s); peak RSS of the process {peak_mib:.0f} MiB"
+    )
