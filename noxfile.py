@@ -33,7 +33,8 @@ os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
 
 # The oldest set runs the tests that exercise what differs between versions: every framework
 # adapter (the conformance suite on NNX, Linen and Equinox; paths through their transforms),
-# capture and activation gradients through the transforms (the per-primitive rules), summary and
+# capture and activation gradients through the transforms (the per-primitive rules), operations
+# inside call sites (JAX's name stacks, Flax's attention path), summary and
 # its FLOPs, harvest's TensorStore, the public namespace and extras, and the README. The rest
 # (property, memory, thread and sharding soaks, the CLI's subprocess runs, the recipes) runs on
 # the newest set only. Run everything on the oldest set with `nox -s oldest -- tests hookax docs
@@ -45,6 +46,7 @@ OLDEST_TESTS = [
     "tests/test_capture.py",
     "tests/test_capture_grad.py",
     "tests/test_transforms.py",
+    "tests/test_ops.py",
     "tests/test_summary.py",
     "tests/test_harvest.py",
     "tests/test_packaging.py",
