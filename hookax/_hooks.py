@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -139,10 +140,17 @@ def _store(module: Any, hs: HookSet | None) -> None:
     _context.track_hooked(module, hs is not None)
 
 
+# Adding or removing a hook reads a module's hook set and stores a new one: one thread at a time,
+# so registrations from several threads on one module are never lost (re-entrant: a hook may
+# remove a hook while another registration's callback runs).
+_LOCK = threading.RLock()
+
+
 def _drop(module: Any, token: int) -> None:
-    hs = hook_set(module)
-    if hs is not None and any(r.token == token for r in hs.records):
-        _store(module, hs.without(token))
+    with _LOCK:
+        hs = hook_set(module)
+        if hs is not None and any(r.token == token for r in hs.records):
+            _store(module, hs.without(token))
 
 
 def _copies_in_call(token: int) -> None:
@@ -271,9 +279,10 @@ def _register(module: Any, record: HookRecord, where: Any, api: str) -> HookHand
     targets = _targets(module, where, api, adapter)
     check_arity(record.fn, record.kind, record.with_kwargs, api, _site(module, targets, adapter))
     token = next(_TOKENS)
-    for m, methods in targets:
-        rec = dataclasses.replace(record, methods=methods, token=token)
-        _store(m, (hook_set(m) or HookSet(())).add(rec))
+    with _LOCK:
+        for m, methods in targets:
+            rec = dataclasses.replace(record, methods=methods, token=token)
+            _store(m, (hook_set(m) or HookSet(())).add(rec))
     return HookHandle(token, [m for m, _ in targets])
 
 
@@ -414,8 +423,9 @@ def register_full_backward_hook(
 def remove_hooks(module: Any) -> None:
     """Remove every per-module hook from ``module`` and all its submodules."""
     adapter = _adapter(module, "remove_hooks")
-    for _, m in adapter.iter_modules(module):
-        _store(m, None)
+    with _LOCK:
+        for _, m in adapter.iter_modules(module):
+            _store(m, None)
 
 
 def hooks(

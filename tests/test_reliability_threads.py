@@ -8,6 +8,7 @@ its own thread, and afterwards nothing is registered or active anywhere.
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
@@ -96,3 +97,50 @@ def test_threads_see_only_their_own_interceptors_and_hooks():
             assert len(logs[i]) >= ROUNDS // 2
     assert_clean(model)
     np.testing.assert_array_equal(fwd(X), model(X))
+
+
+def test_hooks_registered_from_many_threads_on_one_module_are_all_kept():
+    from flax import nnx
+
+    model = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+    per_thread, threads = 50, 8
+    handles: list[Any] = []
+    lock = threading.Lock()
+    start = threading.Barrier(threads)
+
+    def work() -> None:
+        start.wait()
+        mine = [hx.register_forward_hook(model, lambda m, a, o: o + 1.0) for _ in range(per_thread)]
+        with lock:
+            handles.extend(mine)
+
+    workers = [threading.Thread(target=work) for _ in range(threads)]
+    # Threads switch as often as possible, so races show: without the lock in hookax._hooks
+    # this test fails every time.
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        sys.setswitchinterval(interval)
+    x = jnp.zeros((1, 3))
+    np.testing.assert_allclose(
+        model(x) - nnx.Linear(3, 3, rngs=nnx.Rngs(0))(x), threads * per_thread
+    )
+    half = handles[::2]
+    removers = [
+        threading.Thread(target=lambda hs=hs: [h.remove() for h in hs])
+        for hs in (half[:100], half[100:])
+    ]
+    for w in removers:
+        w.start()
+    for w in removers:
+        w.join()
+    np.testing.assert_allclose(
+        model(x) - nnx.Linear(3, 3, rngs=nnx.Rngs(0))(x), threads * per_thread / 2
+    )
+    hx.remove_hooks(model)
+    assert_clean()
