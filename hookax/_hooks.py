@@ -276,10 +276,12 @@ def _register(module: Any, record: HookRecord, where: Any, api: str) -> HookHand
             f"{type(record.fn).__name__} to run at {type(module).__name__}.__call__. Fix: pass "
             "a function, e.g. `def hook(module, args, output): ...`."
         )
-    targets = _targets(module, where, api, adapter)
-    check_arity(record.fn, record.kind, record.with_kwargs, api, _site(module, targets, adapter))
-    token = next(_TOKENS)
-    with _LOCK:
+    with _LOCK:  # finding the targets walks the modules' attributes, which _store changes
+        targets = _targets(module, where, api, adapter)
+        check_arity(
+            record.fn, record.kind, record.with_kwargs, api, _site(module, targets, adapter)
+        )
+        token = next(_TOKENS)
         for m, methods in targets:
             rec = dataclasses.replace(record, methods=methods, token=token)
             _store(m, (hook_set(m) or HookSet(())).add(rec))
