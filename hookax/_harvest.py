@@ -21,6 +21,8 @@ from ._errors import HookaxError
 
 __all__ = ["Harvest", "harvest"]
 
+BATCHES_PER_CHUNK = 64  # one process: a chunk holds up to this many batches (up to 16 MB)
+
 
 @dataclasses.dataclass(frozen=True)
 class Harvest:
@@ -213,7 +215,14 @@ def harvest(
     )
     process, processes = jax.process_index(), jax.process_count()
     batch_rows = int(math.prod(rows_shape))
-    Store.prepare(path, desc, overwrite=overwrite, create=process == 0, batch_rows=batch_rows)
+    Store.prepare(
+        path,
+        desc,
+        overwrite=overwrite,
+        create=process == 0,
+        batch_rows=batch_rows,
+        batches_per_chunk=1 if processes > 1 else BATCHES_PER_CHUNK,
+    )
     _barrier("created")
     Store.prepare(path, desc, overwrite=False, create=False)  # every process checks it
     import json
@@ -227,7 +236,9 @@ def harvest(
         s.drop_other_progress(processes)
     show = sys.stderr.isatty() if progress is None else progress
     bar = _Progress(show and process == 0)
-    writer = Writer(s, {leaf.name: leaf for leaf in leaves}, row_axes, s.rows_before(start), bar)
+    leaf_map = {leaf.name: leaf for leaf in leaves}
+    base = s.rows_before(start)
+    writer = Writer(s, leaf_map, row_axes, base, bar, direct=processes == 1, batches=start)
     if overlap:
         writer.start(queue_size)
     count = 0
@@ -243,8 +254,12 @@ def harvest(
         except BaseException:
             with contextlib.suppress(Exception):  # commit what was handed over, then re-raise
                 writer.close()
+            s.close()
             raise
-        writer.close()
+        try:
+            writer.close()
+        finally:
+            s.close()
     _barrier("written")
     batches_done, rows = max(count, start), writer.rows
     if process == 0:

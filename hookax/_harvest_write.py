@@ -14,6 +14,7 @@ consecutive positions, so a value sharded over devices and processes is never ga
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import queue
 import threading
@@ -63,6 +64,9 @@ class Writer:
       row_axes: how many leading axes of every value are rows.
       base: rows already committed (the row position of the next batch).
       on_commit: called with ``(batches committed, rows, bytes written)`` after each commit.
+      direct: this process is the only one writing: it writes chunk files itself
+        (:mod:`hookax._harvest_chunks`) where their format allows.
+      batches: batches already committed (``base`` is their rows).
     """
 
     def __init__(
@@ -72,13 +76,22 @@ class Writer:
         row_axes: int,
         base: int,
         on_commit: Callable[[int, int, int], None],
+        direct: bool = False,
+        batches: int = 0,
     ) -> None:
         self.store, self.leaves, self.row_axes = store, leaves, row_axes
         self.rows, self.bytes = base, 0
+        self.chunks: dict[str, Any] = {}
+        if direct:
+            starts = {n: base for n in leaves} | {"_source": base, "_batch_end": batches}
+            for name, at in starts.items():
+                if (chunks := store.chunks(name, at)) is not None:
+                    self.chunks[name] = chunks
         self.on_commit = on_commit
         self.error: BaseException | None = None
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
         self.busy = 0.0  # seconds spent writing
 
     # -- running on a thread ----------------------------------------------------------------
@@ -113,6 +126,11 @@ class Writer:
                     continue
             self._thread.join()
             self._thread = None
+        if self._threads is not None:
+            self._threads.shutdown()
+            self._threads = None
+        for chunks in self.chunks.values():
+            chunks.close()
         self.raise_error()
 
     def raise_error(self) -> None:
@@ -150,23 +168,45 @@ class Writer:
         m = np.asarray(_mask_array(mask))
         flat = m.reshape(-1)
         n = int(flat.sum())
-        pos = self.rows + np.cumsum(flat) - 1
-        futures: list[Any] = []
-        keep: list[Any] = []  # the buffers, alive until their writes are done
         for name, value in values.items():
             self._check(index, name, value, m.shape)
-            if n == 0:
-                continue
-            arr = self.store.grow(name, self.rows + n)
-            for shard in _owned_shards(value):
-                futures += self._write_shard(arr, shard, m.shape, flat, pos, keep)
-        if self.store.process == 0:
-            futures += self._write_source(index, m, n)
-        for f in futures:
-            f.result()
+        # chunk files first (on the pool's threads), then the metadata and TensorStore's writes
+        pending = [
+            self._pool().submit(self._write_rows, self.chunks[name], value, flat, n)
+            for name, value in values.items()
+            if n and name in self.chunks
+        ]
+        futures: list[Any] = []
+        keep: list[Any] = []  # the buffers, alive until their writes are done
+        try:
+            sizes = {name: self.rows + n for name in values} if n else {}
+            if self.store.process == 0:
+                sizes |= {"_batch_end": index + 1, "_source": self.rows + n}
+            self.store.grow(sizes)
+            if self.store.process == 0:
+                futures += self._write_source(index, m, n)
+            pos = self.rows + np.cumsum(flat) - 1
+            for name, value in values.items() if n else ():
+                if name not in self.chunks:
+                    arr = self.store.arrays[name]
+                    for shard in _owned_shards(value):
+                        futures += self._write_shard(arr, shard, m.shape, flat, pos, keep)
+            for f in futures:
+                f.result()
+        finally:  # every write ends before the batch is committed or its error reported
+            concurrent.futures.wait(pending)
+        for f in pending:
+            self.bytes += f.result()
         self.rows += n
         self.store.commit(index + 1)
         self.on_commit(index + 1, self.rows, self.bytes)
+
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._threads is None:
+            self._threads = concurrent.futures.ThreadPoolExecutor(
+                min(4, len(self.chunks)), thread_name_prefix="hookax-harvest-chunks"
+            )
+        return self._threads
 
     def _check(self, index: int, name: str, value: Any, rows: tuple[int, ...]) -> None:
         want = rows + self.leaves[name].shape
@@ -178,6 +218,16 @@ class Writer:
                 f"Batches may differ in their row axes only. Nothing of batch {index} was "
                 f"committed. Fix: give batches of the same per-row shape."
             )
+
+    def _write_rows(self, chunks: Any, value: Any, flat: np.ndarray, n: int) -> int:
+        """The kept rows of a value this process holds whole, into their chunk files; returns
+        the bytes of those rows."""
+        data = np.asarray(value)  # one process: every shard is on this host
+        data = data.reshape(-1, *data.shape[self.row_axes :])
+        if n < len(data):
+            data = data[flat]
+        chunks.write(data)
+        return int(data.nbytes)
 
     def _write_shard(
         self,
@@ -209,10 +259,15 @@ class Writer:
     def _write_source(self, index: int, m: np.ndarray, n: int) -> list[Any]:
         """Process 0 records where each row came from, and where the batch ends."""
         end = self.rows + n
-        batch_end = self.store.grow("_batch_end", index + 1)
-        out = [batch_end[index].write(np.int64(end))]
+        out = []
+        parts = {"_batch_end": np.array([end], np.int64)}
         if n:
             where = np.argwhere(m).astype(np.int64)
-            src = np.concatenate([np.full((n, 1), index, np.int64), where], axis=1)
-            out.append(self.store.grow("_source", end)[self.rows : end].write(src))
+            parts["_source"] = np.concatenate([np.full((n, 1), index, np.int64), where], axis=1)
+        for name, rows in parts.items():
+            if name in self.chunks:
+                self.chunks[name].write(rows)
+            else:
+                first = index if name == "_batch_end" else self.rows
+                out.append(self.store.arrays[name][first : first + len(rows)].write(rows))
         return out

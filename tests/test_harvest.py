@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import hookax as hx
-from hookax import _harvest_write
+from hookax import _harvest_chunks, _harvest_write
 from hookax._harvest import read
 from tests import harvest_worker as w
 
@@ -41,11 +41,13 @@ def store_contents(path):
     return meta, arrays, files
 
 
-def assert_same_store(a, b):
+def assert_same_store(a, b, files=True):
+    """Same description, arrays and (``files``) files. Without ``files``, chunks may differ."""
     meta_a, arrays_a, files_a = store_contents(a)
     meta_b, arrays_b, files_b = store_contents(b)
     assert meta_a == meta_b
-    assert files_a == files_b
+    if files:
+        assert files_a == files_b
     for d in arrays_a:
         np.testing.assert_array_equal(arrays_a[d], arrays_b[d], err_msg=d)
         assert arrays_a[d].dtype == arrays_b[d].dtype
@@ -161,22 +163,32 @@ def test_not_a_store_and_rows_that_do_not_line_up(tmp_path):
         hx.harvest(model, [x], where="layers/*", store=tmp_path / "s", row_axes=2)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_failing_writer_leaves_a_valid_store(tmp_path, monkeypatch, overlap):
-    """A full disk at batch 2: a clear error, batches 0-1 committed, a rerun completes it."""
+@pytest.mark.parametrize(
+    ("overlap", "chunks"),
+    [(True, True), (False, True), (True, False)],
+    ids=["thread", "inline", "tensorstore"],
+)
+def test_failing_writer_leaves_a_valid_store(tmp_path, monkeypatch, overlap, chunks):
+    """A full disk at batch 2: a clear error, batches 0-1 committed, a rerun completes it.
+    ``chunks``: the chunk files written by hookax (one process); else by TensorStore."""
     model = w.make_model()
     data = [x[:, 0] for x in w.host_batches(5)]
     hx.harvest(model, data, where="layers/*", store=tmp_path / "ref", progress=False)
-    real = _harvest_write.Writer._write_shard
+    if not chunks:
+        monkeypatch.setattr(_harvest_chunks, "plain", lambda *a: False)
+    seam = (_harvest_chunks, "_pwrite") if chunks else (_harvest_write.Writer, "_write_shard")
+    module, attr = seam
+    real = getattr(module, attr)
     calls = {"n": 0}
+    per_batch = 4 if chunks else 2  # two arrays (one shard each), and _source, _batch_end
 
-    def full_disk(self, arr, *args):
+    def full_disk(*args):
         calls["n"] += 1
-        if calls["n"] > 4:  # two arrays, one shard each: batch 2's first write
+        if calls["n"] > 2 * per_batch:  # batch 2's first write
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, arr, *args)
+        return real(*args)
 
-    monkeypatch.setattr(_harvest_write.Writer, "_write_shard", full_disk)
+    monkeypatch.setattr(module, attr, full_disk)
     with pytest.raises(
         hx.HookaxError,
         match=r"writing batch 2 .* No space left on device.*The store is valid: it holds the 2 "
@@ -185,7 +197,7 @@ def test_failing_writer_leaves_a_valid_store(tmp_path, monkeypatch, overlap):
         hx.harvest(model, data, where="layers/*", store=tmp_path / "s", overlap=overlap)
     stored = read(tmp_path / "s", "layers/2")
     np.testing.assert_array_equal(stored, captured(model, data[:2], "layers/2"))
-    monkeypatch.setattr(_harvest_write.Writer, "_write_shard", real)
+    monkeypatch.setattr(module, attr, real)
     h = hx.harvest(model, data, where="layers/*", store=tmp_path / "s", progress=False)
     assert h.resumed_at == 2
     assert_same_store(tmp_path / "ref", tmp_path / "s")
