@@ -81,6 +81,14 @@ class Writer:
     ) -> None:
         self.store, self.leaves, self.row_axes = store, leaves, row_axes
         self.rows, self.bytes = base, 0
+        # the step's outputs: their stored leaves, and the shape of their leading scan axes
+        self.sources: dict[str, list[Any]] = {}
+        for leaf in leaves.values():
+            self.sources.setdefault(leaf.source or leaf.name, []).append(leaf)
+        self.stacks = {
+            src: tuple(max(lf.index[d] for lf in group) + 1 for d in range(len(group[0].index)))
+            for src, group in self.sources.items()
+        }
         self.chunks: dict[str, Any] = {}
         if direct:
             starts = {n: base for n in leaves} | {"_source": base, "_batch_end": batches}
@@ -168,29 +176,32 @@ class Writer:
         m = np.asarray(_mask_array(mask))
         flat = m.reshape(-1)
         n = int(flat.sum())
-        for name, value in values.items():
-            self._check(index, name, value, m.shape)
+        for source, value in values.items():
+            self._check(index, source, value, m.shape)
         # chunk files first (on the pool's threads), then the metadata and TensorStore's writes
         pending = [
-            self._pool().submit(self._write_rows, self.chunks[name], value, flat, n)
-            for name, value in values.items()
-            if n and name in self.chunks
+            self._pool().submit(self._write_rows, self.chunks[leaf.name], leaf, value, flat, n)
+            for source, value in values.items()
+            for leaf in self.sources.get(source, ())
+            if n and leaf.name in self.chunks
         ]
         futures: list[Any] = []
         keep: list[Any] = []  # the buffers, alive until their writes are done
         try:
-            sizes = {name: self.rows + n for name in values} if n else {}
+            sizes = {name: self.rows + n for name in self.leaves} if n else {}
             if self.store.process == 0:
                 sizes |= {"_batch_end": index + 1, "_source": self.rows + n}
             self.store.grow(sizes)
             if self.store.process == 0:
                 futures += self._write_source(index, m, n)
             pos = self.rows + np.cumsum(flat) - 1
-            for name, value in values.items() if n else ():
-                if name not in self.chunks:
-                    arr = self.store.arrays[name]
+            for source, value in values.items() if n else ():
+                for leaf in self.sources.get(source, ()):
+                    if leaf.name in self.chunks:
+                        continue
+                    arr = self.store.arrays[leaf.name]
                     for shard in _owned_shards(value):
-                        futures += self._write_shard(arr, shard, m.shape, flat, pos, keep)
+                        futures += self._write_shard(arr, leaf, shard, m.shape, flat, pos, keep)
             for f in futures:
                 f.result()
         finally:  # every write ends before the batch is committed or its error reported
@@ -208,22 +219,25 @@ class Writer:
             )
         return self._threads
 
-    def _check(self, index: int, name: str, value: Any, rows: tuple[int, ...]) -> None:
-        want = rows + self.leaves[name].shape
+    def _check(self, index: int, source: str, value: Any, rows: tuple[int, ...]) -> None:
+        if source not in self.sources:  # a scan of length 0: nothing to store
+            return
+        leaf = self.sources[source][0]
+        want = self.stacks[source] + rows + leaf.shape
         if tuple(value.shape) != want:
             raise HookaxError(
-                f"hx.harvest: batch {index} gives call site output {name!r} of shape "
+                f"hx.harvest: batch {index} gives call site output {source!r} of shape "
                 f"{tuple(value.shape)}, but the store holds rows of shape "
-                f"{self.leaves[name].shape} (expected {want} for this batch's rows {rows}). "
+                f"{leaf.shape} (expected {want} for this batch's rows {rows}). "
                 f"Batches may differ in their row axes only. Nothing of batch {index} was "
                 f"committed. Fix: give batches of the same per-row shape."
             )
 
-    def _write_rows(self, chunks: Any, value: Any, flat: np.ndarray, n: int) -> int:
-        """The kept rows of a value this process holds whole, into their chunk files; returns
-        the bytes of those rows."""
-        data = np.asarray(value)  # one process: every shard is on this host
-        data = data.reshape(-1, *data.shape[self.row_axes :])
+    def _write_rows(self, chunks: Any, leaf: Any, value: Any, flat: np.ndarray, n: int) -> int:
+        """The kept rows of a leaf of a value this process holds whole, into their chunk
+        files; returns the bytes of those rows."""
+        data = np.asarray(value)[leaf.index]  # one process: every shard is on this host
+        data = data.reshape(-1, *leaf.shape)
         if n < len(data):
             data = data[flat]
         chunks.write(data)
@@ -232,17 +246,25 @@ class Writer:
     def _write_shard(
         self,
         arr: Any,
+        leaf: Any,
         shard: Any,
         rows: tuple[int, ...],
         flat: np.ndarray,
         pos: np.ndarray,
         keep: list[Any],
     ) -> list[Any]:
-        k = self.row_axes
+        """The kept rows of ``leaf`` in one shard of its value, as runs of consecutive rows."""
+        k, s = self.row_axes, len(leaf.index)
         index = shard.index
-        ranges = [np.arange(*s.indices(d)) for s, d in zip(index[:k], rows)]
-        ids = np.ravel_multi_index(tuple(np.meshgrid(*ranges, indexing="ij")), rows).reshape(-1)
+        stack = [sl.indices(d) for sl, d in zip(index[:s], self.stacks[leaf.source or leaf.name])]
+        if any(not (a <= i < b) for (a, b, _), i in zip(stack, leaf.index)):
+            return []  # this shard holds other layers
         data = np.asarray(shard.data)
+        if s:
+            data = data[tuple(i - a for (a, _, _), i in zip(stack, leaf.index))]
+        index = index[s:]
+        ranges = [np.arange(*sl.indices(d)) for sl, d in zip(index[:k], rows)]
+        ids = np.ravel_multi_index(tuple(np.meshgrid(*ranges, indexing="ij")), rows).reshape(-1)
         data = data.reshape(-1, *data.shape[k:])
         kept = flat[ids]
         if not kept.all():

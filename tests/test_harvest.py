@@ -232,3 +232,86 @@ def test_cli_harvest(capsys, tmp_path):
     code = main([*argv[:-1], "0", "--out", str(tmp_path / "t")])
     assert code == 2
     assert capsys.readouterr().err == "hookax: error: --batches takes an integer >= 1, got 0\n"
+
+
+# ---- call sites inside a scan over layers, and inside jax.vmap ----
+
+L, D = 3, 4
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = nnx.Linear(D, D, rngs=rngs)
+        self.mlp = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+        h = x + jnp.tanh(self.attn(x))
+        return h + self.mlp(h)
+
+
+class ScannedDecoder(nnx.Module):
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=L)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return Block(rngs)
+
+        self.layers = make(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return block(x)
+
+        return body(x, self.layers)
+
+
+def test_scanned_layers_one_array_per_layer_and_resume(tmp_path, monkeypatch):
+    """blocks inside nnx.scan: (L, B, T, D) values stored as L arrays of (B*T, D) rows, each
+    equal to that layer's slice of eager hx.capture; the root (not scanned) alongside; resumed
+    runs end identical."""
+    model = ScannedDecoder(nnx.Rngs(0))
+    data = [x[..., :D] for x in w.host_batches(4)]  # (BATCH, SEQ, D)
+    where = hx.Select(paths=("layers/mlp", ""))
+    run = dict(where=where, row_axes=2, mask=w.pad_mask, progress=False)
+    h = hx.harvest(model, data, store=tmp_path / "ref", **run)
+    assert h.names == ("", "layers/mlp[0]", "layers/mlp[1]", "layers/mlp[2]")  # call order
+    want = [hx.capture(model, where=run["where"])(x)[1] for x in data]  # eager
+    keep = [np.asarray(w.pad_mask(x)) for x in data]
+    for i in range(L):
+        rows = np.concatenate([np.asarray(a["layers/mlp"][0][i])[k] for a, k in zip(want, keep)])
+        np.testing.assert_array_equal(h.read(f"layers/mlp[{i}]"), rows)
+    root = np.concatenate([np.asarray(a[""][0])[k] for a, k in zip(want, keep)])
+    np.testing.assert_array_equal(h.read(""), root)
+    meta = json.loads((tmp_path / "ref" / "hookax.json").read_text())
+    assert meta["arrays"]["layers/mlp[2]"] == {
+        "key": "layers/mlp",
+        "call": 0,
+        "part": "",
+        "layer": [2],
+        "shape": [D],
+        "dtype": "float32",
+        "dir": "layers.mlp_2_",
+    }
+    hx.harvest(model, data[:2], store=tmp_path / "s", **run)
+    resumed = hx.harvest(model, data, store=tmp_path / "s", **run)
+    assert resumed.resumed_at == 2
+    assert_same_store(tmp_path / "ref", tmp_path / "s")
+    # written shard by shard through TensorStore (as with several processes): the same arrays
+    monkeypatch.setattr(_harvest_chunks, "plain", lambda *a: False)
+    hx.harvest(model, data, store=tmp_path / "ts", **run)
+    assert_same_store(tmp_path / "ref", tmp_path / "ts", files=False)
+    # no mask and only scanned values: the rows are what follows the scan axis
+    h = hx.harvest(model, data[:1], where="layers/attn", store=tmp_path / "u", row_axes=2)
+    (attn,) = hx.capture(model, where="layers/attn")(data[0])[1]["layers/attn"]
+    np.testing.assert_array_equal(h.read("layers/attn[1]"), np.asarray(attn[1]).reshape(-1, D))
+
+
+def test_values_inside_vmap_lead_with_the_batch_axis(tmp_path):
+    model = w.make_model()
+    data = w.host_batches(2)  # (BATCH, SEQ, WIDTH): the model maps one example's (SEQ, WIDTH)
+    h = hx.harvest(
+        lambda x: jax.vmap(model)(x), data, where="layers/2", store=tmp_path / "s", row_axes=2
+    )
+    want = np.concatenate([np.asarray(model(x)).reshape(-1, 6) for x in data])
+    np.testing.assert_allclose(h.read("layers/2"), want, rtol=1e-6, atol=1e-6)
