@@ -315,3 +315,49 @@ def test_values_inside_vmap_lead_with_the_batch_axis(tmp_path):
     )
     want = np.concatenate([np.asarray(model(x)).reshape(-1, 6) for x in data])
     np.testing.assert_allclose(h.read("layers/2"), want, rtol=1e-6, atol=1e-6)
+
+
+FACTORY = """
+from flax import nnx
+
+
+class Scaled(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(1))
+
+    def __call__(self, x, *, scale):
+        return self.drop(self.lin(x) * scale)
+
+
+def make():
+    return Scaled()
+"""
+
+
+def test_cli_harvest_file_factory_kw_and_eval(capsys, tmp_path):
+    """The model options of every command: a file's factory, --kw (each batch), --eval."""
+    from hookax._cli import main
+    from hookax._gradflow import random_inputs
+
+    (tmp_path / "factory.py").write_text(FACTORY)
+    out = tmp_path / "s"
+    argv = [f"{tmp_path / 'factory.py'}:make", "--input", "f32[2,3]", "--kw", "scale=2.0"]
+    argv += ["--eval", "--where", "drop", "--batches", "2", "--out", str(out), "--no-progress"]
+    code = main(["harvest", *argv])
+    assert (code, capsys.readouterr().err) == (0, "")
+    ns = {}
+    exec(FACTORY, ns)
+    model = ns["make"]()
+    specs = (jax.ShapeDtypeStruct((2, 3), jnp.float32),)
+    xs = [random_inputs(specs, i)[0] for i in range(2)]
+    want = np.concatenate([np.asarray(model.lin(x)) * 2 for x in xs])  # no dropout: --eval
+    np.testing.assert_allclose(read(out, "drop"), want, rtol=1e-6, atol=1e-6)
+    meta = json.loads((out / "hookax.json").read_text())
+    assert meta["metadata"]["cli"] == {
+        "input": ["f32[2,3]"],
+        "seed": 0,
+        "kw": ["scale=2.0"],
+        "eval": True,
+    }
+    assert meta["model"] == "hookax._harvest_cli._Call"
