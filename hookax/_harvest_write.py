@@ -28,6 +28,8 @@ from ._errors import HookaxError
 
 __all__ = ["Writer", "start_transfers"]
 
+WRITE_THREADS = 4  # threads writing chunk files (each blocks in its O_DIRECT write)
+
 
 def _owned_shards(x: Any) -> list[Any]:
     return [s for s in x.addressable_shards if s.replica_id == 0]
@@ -215,7 +217,7 @@ class Writer:
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._threads is None:
             self._threads = concurrent.futures.ThreadPoolExecutor(
-                min(4, len(self.chunks)), thread_name_prefix="hookax-harvest-chunks"
+                min(WRITE_THREADS, len(self.chunks)), thread_name_prefix="hookax-harvest-chunks"
             )
         return self._threads
 
