@@ -361,3 +361,43 @@ def test_cli_harvest_file_factory_kw_and_eval(capsys, tmp_path):
         "eval": True,
     }
     assert meta["model"] == "hookax._harvest_cli._Call"
+
+
+@pytest.mark.parametrize(("width", "rows"), [(64, 256), (3, 1000)])  # O_DIRECT; buffered
+def test_chunk_files_appended_and_resumed_over_a_killed_runs_rows(tmp_path, width, rows):
+    """Appends of any size; a resumed run cuts off the rows a killed run left after the
+    committed ones (in their chunk: later chunks go when the run's finish shrinks the array)."""
+    import itertools
+
+    import tensorstore as ts
+
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "a")}}
+    keys = {"name": "default", "configuration": {"separator": "."}}
+    arr = ts.open(
+        {**spec, "metadata": {"chunk_key_encoding": keys}},
+        create=True,
+        dtype=ts.float32,
+        shape=[-(-1000 // rows) * rows, width],
+        chunk_layout=ts.ChunkLayout(chunk_shape=[rows, width]),
+        fill_value=0,
+    ).result()
+    rng = np.random.default_rng(0)
+    data = rng.normal(size=(1000, width)).astype(np.float32)
+
+    def chunks(base):
+        c = _harvest_chunks.Chunks(tmp_path / "a", rows, (width,), np.float32, ".")
+        c.resume(base, lambda lo, hi: arr[lo:hi].read().result())
+        return c
+
+    c = chunks(0)
+    assert c.direct == (width == 64 and bool(_harvest_chunks._O_DIRECT))
+    for a, b in itertools.pairwise([0, 5, 300, 301, 512, 600]):
+        c.write(data[a:b])
+    chunks(600).write(rng.normal(size=(400, width)).astype(np.float32))  # killed: uncommitted
+    c = chunks(600)  # the resumed run
+    c.write(data[600:610])
+    end = (609 // rows + 1) * rows  # the end of the chunk holding the last row
+    want = np.concatenate([data[:610], np.zeros((end - 610, width), np.float32)])
+    np.testing.assert_array_equal(arr[:end].read().result(), want)
+    c.write(data[610:1000])
+    np.testing.assert_array_equal(arr[:1000].read().result(), data)
