@@ -1,7 +1,7 @@
 """Harvest throughput: rows per second of the forward pass alone vs ``hx.harvest``, side by side.
 
 An NNX MLP (``DEPTH`` layers of width ``WIDTH``, batches of ``BATCH`` rows); harvest stores every
-layer's output (float32) to a fresh store in a temporary folder. Three runs over the same batches:
+layer's output (float32) to a fresh store in a temporary folder. Four runs over the same batches:
 
 * ``forward``: ``nnx.jit`` of the model, every batch dispatched, the last one waited for;
 * ``capture + host copy``: the same with ``hx.capture`` of every layer and the values copied to
@@ -9,7 +9,8 @@ layer's output (float32) to a fresh store in a temporary folder. Three runs over
 * ``harvest, overlap off``: each batch written before the next is computed (``overlap=False``);
 * ``harvest, overlap on``: the writer thread writes while the next batches compute.
 
-Each run is repeated ``ROUNDS`` times, interleaved; medians. The goal: harvest with overlap at 90%
+Each run is repeated ``ROUNDS`` times, interleaved; medians of wall time (rows/s) and of the
+process's CPU time (user + system, all threads). The goal: harvest with overlap at 90%
 or more of forward-only throughput (writing hidden behind compute). Compilation is excluded (one
 warm-up batch set per configuration first).
 
@@ -32,7 +33,7 @@ from flax import nnx
 import hookax as hx
 from benchmarks._timing import table
 
-DEPTH, WIDTH, BATCH, BATCHES, ROUNDS = 8, 1024, 512, 16, 3
+DEPTH, WIDTH, BATCH, BATCHES, ROUNDS = 8, 1024, 512, 16, 5
 
 
 class Layer(nnx.Module):
@@ -75,12 +76,15 @@ def _capture(model: Any, batches: list[Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _harvest(model: Any, batches: list[Any], root: str, overlap: bool) -> tuple[float, int]:
-    store = os.path.join(root, f"acts-{overlap}")
-    shutil.rmtree(store, ignore_errors=True)
+def _harvest(model: Any, batches: list[Any], store: str, overlap: bool) -> tuple[float, int]:
     t0 = time.perf_counter()
     h = hx.harvest(model, batches, where=Layer, store=store, overlap=overlap, progress=False)
     return time.perf_counter() - t0, h.bytes
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system
 
 
 def main() -> None:
@@ -95,16 +99,24 @@ def main() -> None:
     root = tempfile.mkdtemp(prefix="hookax-bench-", dir=os.environ.get("HARVEST_DIR"))
     names = ("forward", "capture + host copy", "harvest, overlap off", "harvest, overlap on")
     times: dict[str, list[float]] = {n: [] for n in names}
+    cpu: dict[str, list[float]] = {n: [] for n in names}
     written = 0
     try:
         for r in range(ROUNDS + 1):  # round 0 warms up (compiles); not counted
-            t = [_forward(model, batches), _capture(model, batches)]
-            for overlap in (False, True):
-                seconds, written = _harvest(model, batches, root, overlap)
-                t.append(seconds)
-            if r:
-                for n, s in zip(names, t):
-                    times[n].append(s)
+            for n in names:
+                overlap = n.endswith("on")
+                store = os.path.join(root, f"acts-{overlap}")
+                shutil.rmtree(store, ignore_errors=True)  # not timed
+                c0 = _cpu()
+                if n == "forward":
+                    seconds = _forward(model, batches)
+                elif n.startswith("capture"):
+                    seconds = _capture(model, batches)
+                else:
+                    seconds, written = _harvest(model, batches, store, overlap)
+                if r:
+                    times[n].append(seconds)
+                    cpu[n].append(_cpu() - c0)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = BATCH * BATCHES
@@ -113,12 +125,13 @@ def main() -> None:
     for n in names:
         s = statistics.median(times[n])
         mbs = f"{written / 1e6 / s:.0f}" if n.startswith("harvest") else ""
-        out.append((n, f"{rows / s:,.0f}", mbs, f"{base / s:.2f}"))
+        c = f"{statistics.median(cpu[n]):.2f}"
+        out.append((n, f"{rows / s:,.0f}", mbs, c, f"{base / s:.2f}"))
     print(
         f"{DEPTH}-layer MLP, width {WIDTH}, {BATCHES} batches of {BATCH} rows; every layer's "
         f"output stored as float32 ({written / 1e6:.0f} MB per run); {jax.devices()[0].platform}"
     )
-    print(table(out, ("run", "rows/s", "MB/s written", "vs forward")))
+    print(table(out, ("run", "rows/s", "MB/s written", "CPU s", "vs forward")))
 
 
 if __name__ == "__main__":

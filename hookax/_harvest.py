@@ -21,6 +21,8 @@ from ._errors import HookaxError
 
 __all__ = ["Harvest", "harvest"]
 
+BATCHES_PER_CHUNK = 64  # one process: a chunk holds up to this many batches (up to 16 MB)
+
 
 @dataclasses.dataclass(frozen=True)
 class Harvest:
@@ -29,7 +31,8 @@ class Harvest:
     Attributes:
       store: the store's folder.
       names: the stored values' names (call-site keys; ``key#i`` for the i-th of several calls,
-        ``key[0]`` for parts of a tuple output).
+        ``key[i]`` for layer i of a call site inside a scan over layers, ``key[0]`` for parts
+        of a tuple output: ``key#call[layer][part]``).
       batches: batches in the store.
       rows: rows in each stored array.
       resumed_at: the first batch this run computed (0 unless it resumed an interrupted run).
@@ -125,7 +128,9 @@ def harvest(
     Each batch is ``fn``'s positional arguments (a tuple, or one value). Every captured output
     (as :func:`hookax.capture` returns it) becomes one zarr v3 array in ``store``, named by its
     call-site key, with one *row* per entry of its leading ``row_axes`` axes: a ``(batch, seq,
-    d)`` output with ``row_axes=2`` gives ``batch * seq`` rows of ``d`` values. Rows of later
+    d)`` output with ``row_axes=2`` gives ``batch * seq`` rows of ``d`` values. A call site
+    inside ``nnx.scan``/``lax.scan`` over layers, whose captured value is stacked ``(layers,
+    batch, ...)``, gives one array per layer, ``key[i]``, with the same rows. Rows of later
     batches are appended after earlier ones; ``_source`` records each row's batch and position.
 
     Writing overlaps computing: the host copy of a batch starts as soon as its step is
@@ -184,7 +189,7 @@ def harvest(
     import jax
 
     from ._harvest_step import Step, as_args, leaf_specs
-    from ._harvest_store import Store, describe, import_tensorstore
+    from ._harvest_store import META, Store, describe, import_tensorstore
     from ._harvest_write import Writer, start_transfers
 
     import_tensorstore()
@@ -196,7 +201,12 @@ def harvest(
     if first is None:
         raise HookaxError("hx.harvest: batches is empty: there is nothing to harvest.")
     step = Step.cached(fn, where, dtype, mask, row_axes, as_args(first))
-    leaves, rows_shape = leaf_specs(step, as_args(first), row_axes, mask is not None)
+    early = None
+    if overwrite or not (path / META).exists():  # a new store: batch 0 computes meanwhile
+        early = step(*as_args(first))
+        start_transfers(*early)
+    values, m = early if early is not None else step.shapes(*as_args(first))
+    leaves, rows_shape = leaf_specs(step, values, m, row_axes, mask is not None)
     if not leaves:
         raise HookaxError(
             f"hx.harvest: the selected call sites (where={where!r}) returned no arrays: there "
@@ -213,12 +223,19 @@ def harvest(
     )
     process, processes = jax.process_index(), jax.process_count()
     batch_rows = int(math.prod(rows_shape))
-    Store.prepare(path, desc, overwrite=overwrite, create=process == 0, batch_rows=batch_rows)
+    Store.prepare(
+        path,
+        desc,
+        overwrite=overwrite,
+        create=process == 0,
+        batch_rows=batch_rows,
+        batches_per_chunk=1 if processes > 1 else BATCHES_PER_CHUNK,
+    )
     _barrier("created")
     Store.prepare(path, desc, overwrite=False, create=False)  # every process checks it
     import json
 
-    s = Store(path, json.loads((path / "hookax.json").read_text()), process, fsync)
+    s = Store(path, json.loads((path / META).read_text()), process, fsync)
     s.open()
     start = s.committed()
     s.commit(start)
@@ -227,7 +244,9 @@ def harvest(
         s.drop_other_progress(processes)
     show = sys.stderr.isatty() if progress is None else progress
     bar = _Progress(show and process == 0)
-    writer = Writer(s, {leaf.name: leaf for leaf in leaves}, row_axes, s.rows_before(start), bar)
+    leaf_map = {leaf.name: leaf for leaf in leaves}
+    base = s.rows_before(start)
+    writer = Writer(s, leaf_map, row_axes, base, bar, direct=processes == 1, batches=start)
     if overlap:
         writer.start(queue_size)
     count = 0
@@ -237,14 +256,22 @@ def harvest(
                 count = i + 1
                 if i < start:
                     continue
-                values, m = step(*as_args(batch))
-                start_transfers(values, m)
+                if i == 0 and early is not None:
+                    values, m = early
+                else:
+                    values, m = step(*as_args(batch))
+                    start_transfers(values, m)
+                early = None
                 writer.put((i, values, m))
         except BaseException:
             with contextlib.suppress(Exception):  # commit what was handed over, then re-raise
                 writer.close()
+            s.close()
             raise
-        writer.close()
+        try:
+            writer.close()
+        finally:
+            s.close()
     _barrier("written")
     batches_done, rows = max(count, start), writer.rows
     if process == 0:

@@ -2,9 +2,11 @@
 
     hookax harvest --example transformer --where "layers/*/mlp" --batches 100 --out acts.zarr
     hookax harvest mypkg.models:make_model --input "f32[32,784]" --where "**" --batches 10 --out a
+    hookax harvest model.py:make --input "i32[4,128]" --kw train=false --eval --out a
 
-The command line's own model loading and error style (:mod:`hookax._cli`) are reused; this module
-only adds the subcommand's arguments and its run.
+The command line's model options (``add_model_arguments``: a factory, also a file's, or
+``--example``, ``--input``, ``--kw``, ``--eval``), model loading and error style
+(:mod:`hookax._cli`) are reused; this module only adds the subcommand's arguments and its run.
 """
 
 from __future__ import annotations
@@ -18,22 +20,10 @@ HELP = "run a model over random batches and store chosen layers' outputs (zarr v
 
 
 def add_parser(sub: Any) -> None:
-    from .examples import NAMES
+    from ._cli import add_model_arguments
 
     c = sub.add_parser("harvest", help=HELP, description=HELP)
-    c.add_argument(
-        "factory",
-        nargs="?",
-        help="package.module:function returning an nnx.Module (called with no arguments)",
-    )
-    c.add_argument("--example", help=f"a built-in example: {', '.join(NAMES)}")
-    c.add_argument(
-        "--input",
-        action="append",
-        default=[],
-        metavar="SPEC",
-        help='one batch\'s input like "f32[8,784]"; repeat for several positional arguments',
-    )
+    add_model_arguments(c)  # the factory or --example, --input, --kw, --eval
     c.add_argument("--where", default=None, help='call sites to store: a path glob ("layers/*")')
     c.add_argument("--batches", type=int, default=10, help="how many random batches")
     c.add_argument("--out", required=True, help="the store's folder")
@@ -45,6 +35,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    import sys
+
     from . import _cli
     from ._errors import HookaxError
     from ._gradflow import random_inputs
@@ -60,25 +52,58 @@ def run(args: argparse.Namespace) -> None:
                 f"--dtype takes one of {', '.join(sorted(DTYPES))}, got {args.dtype!r}"
             )
         dtype = DTYPES[args.dtype]
-    model, specs, int_high = _cli._model(args, abstract=False)
-    batches = (random_inputs(specs, args.seed + i, int_high) for i in range(args.batches))
+    loaded = _cli.load_model(args, abstract=False)
+    nnx, eqx = sys.modules.get("flax.nnx"), sys.modules.get("equinox")
+    if nnx is not None and isinstance(loaded.model, nnx.Module):
+        if args.eval:
+            loaded.model.eval()
+    elif eqx is not None and isinstance(loaded.model, eqx.Module):
+        if args.eval:
+            loaded.model = eqx.nn.inference_mode(loaded.model)
+    else:
+        raise _cli.UsageError(
+            f"harvest runs Flax NNX and Equinox models; {loaded.name!r} is a "
+            f"{type(loaded.model).__name__} (hookax summary takes it)"
+        )
+    model, specs = loaded.model, loaded.args
+    fn: Any = model
+    if loaded.kwargs:  # the same keyword arguments for every batch
+        kwargs = _cli._concrete_kwargs(loaded.kwargs, args.seed)
+        fn = _Call(model, kwargs)
+    batches = (random_inputs(specs, args.seed + i, loaded.int_high) for i in range(args.batches))
+    cli = {"input": [_spec(s) for s in specs], "seed": args.seed}
+    if args.kw:
+        cli["kw"] = list(args.kw)
+    if args.eval:
+        cli["eval"] = True
     try:
         h = harvest(
-            model,
+            fn,
             batches,
             where=args.where,
             store=args.out,
             dtype=dtype,
             row_axes=args.row_axes,
             overwrite=args.overwrite,
-            metadata={"cli": {"input": [_spec(s) for s in specs], "seed": args.seed}},
+            metadata={"cli": cli},
             progress=False if args.no_progress else None,
         )
     except HookaxError as e:
         raise _cli.UsageError(_cli._first_line(e)) from None
     except Exception as e:
-        raise _cli._rejected(e, specs) from None
+        raise _cli._rejected(e, loaded) from None
     _report(h)
+
+
+class _Call:
+    """``model(*batch, **kwargs)``: a named callable (a store records what ran; a lambda's
+    name would do too, but says less)."""
+
+    def __init__(self, model: Any, kwargs: dict[str, Any]) -> None:
+        self.model, self.kwargs = model, kwargs
+
+    def __call__(self, *args: Any) -> Any:
+        return self.model(*args, **self.kwargs)
 
 
 def _spec(s: Any) -> str:

@@ -1,6 +1,7 @@
 """The device side of ``hx.harvest``: one jitted step per batch, and the arrays it produces.
 
-The step runs ``hx.capture`` (its public form) under jit, casts floating outputs to the store's
+The step runs a capture session under jit (``hx.capture``'s, whose records also say how many
+leading axes scans stacked on each value), casts floating outputs to the store's
 dtype on the device (so ``bfloat16`` also halves the bytes moved to the host), flattens every
 captured output into named leaves (one stored array each) and computes the batch's row mask. An
 NNX module is passed to ``nnx.jit`` as an argument (its parameters are not baked into the
@@ -10,37 +11,52 @@ program); any other function is jitted with ``jax.jit``, closing over the module
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from ._capture import capture
 from ._errors import HookaxError
 
-__all__ = ["Leaf", "Step", "as_args", "leaf_specs", "replication"]
+__all__ = ["Leaf", "Origin", "Step", "as_args", "leaf_specs", "replication", "row_shape"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Leaf:
-    """One stored array: which call site, which call, which part of the output."""
+    """One stored array: which call site, which call, which layer, which part of the output."""
 
-    name: str  # what users index the store with: "layers/0", "attn#1", "pair[0]"
+    name: str  # what users index the store with: "layers/0", "attn#1", "pair[0]", "blocks/mlp[3]"
     key: str  # the call site's key
     call: int  # which call of that call site
     part: str  # jax.tree_util.keystr of the leaf inside the output ("" for an array output)
     shape: tuple[int, ...]  # per-row shape (the value's shape after the row axes)
     dtype: str  # stored dtype
+    source: str = ""  # the step's output holding it (its name, without the layer index)
+    index: tuple[int, ...] = ()  # its position on the leading scan axes of that output
 
     def describe(self) -> dict[str, Any]:
-        return {
+        out = {
             "key": self.key,
             "call": self.call,
             "part": self.part,
             "shape": list(self.shape),
             "dtype": self.dtype,
         }
+        if self.index:
+            out["layer"] = list(self.index)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where a step output comes from; ``scans``: how many leading axes scans stacked on it."""
+
+    key: str
+    call: int
+    part: str
+    scans: int
 
 
 def as_args(batch: Any) -> tuple[Any, ...]:
@@ -48,16 +64,48 @@ def as_args(batch: Any) -> tuple[Any, ...]:
     return batch if isinstance(batch, tuple) else (batch,)
 
 
-def _leaves(acts: dict[str, tuple[Any, ...]]) -> list[tuple[str, str, int, str, Any]]:
-    """``(name, key, call, part, value)`` for every array leaf of every captured output."""
+def _scans(axes: tuple[tuple[str, Any], ...]) -> int:
+    """How many leading axes of a captured value scans stacked on it (``axes`` innermost
+    first, as :class:`hookax._tags.Record` keeps them; ``cond`` and ``while`` add none). Only
+    the outermost run of scans counts: a ``shard_map`` axis is not a layer axis."""
+    n = 0
+    for kind, _ in reversed(axes):
+        if kind in ("cond", "while"):
+            continue
+        if kind != "scan":
+            break
+        n += 1
+    return n
+
+
+def _outputs(f: Any, where: Any, args: tuple[Any, ...]) -> list[tuple[str, Origin, Any]]:
+    """``(name, origin, value)`` for every array leaf of every selected call's output, as
+    :func:`hookax.capture` collects them, and how many scan axes lead each."""
+    from ._capture import session
+
+    s = session("hx.harvest", where, f, args, {})
+    s.run(f, *args)
+    calls: dict[str, list[Any]] = {k: [] for k in s.session.starts}
+    for r in s.session.records:
+        calls.setdefault(r.key, []).append(r)
     out = []
-    for key, calls in acts.items():
-        for call, value in enumerate(calls):
-            for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
+    for key, records in calls.items():
+        for call, r in enumerate(records):
+            for path, leaf in jax.tree_util.tree_flatten_with_path(r.output())[0]:
                 part = jax.tree_util.keystr(path)
-                name = key + (f"#{call}" if len(calls) > 1 else "") + part
-                out.append((name, key, call, part, leaf))
+                name = key + (f"#{call}" if len(records) > 1 else "") + part
+                out.append((name, Origin(key, call, part, _scans(r.axes)), leaf))
     return out
+
+
+def row_shape(shapes: list[tuple[tuple[int, ...], int]], row_axes: int) -> tuple[int, ...]:
+    """The batch's rows without a mask: the leading ``row_axes`` axes of the first value that
+    no scan stacked, or else of the first value after its scan axes."""
+    for shape, scans in shapes:
+        if not scans:
+            return shape[:row_axes]
+    shape, scans = shapes[0]
+    return shape[scans : scans + row_axes]
 
 
 def _cast(x: Any, dtype: Any) -> Any:
@@ -100,18 +148,19 @@ class Step:
         row_axes: int,
         first: tuple[Any, ...],
     ) -> None:
-        self.origin: dict[str, tuple[str, int, str]] = {}
+        self.origin: dict[str, Origin] = {}
         whole = replication(first)
 
         def body(f: Any, *args: Any) -> tuple[dict[str, Any], Any]:
-            _, acts = capture(f, where=where)(*args)
             values = {}
-            for name, key, call, part, v in _leaves(acts):
-                self.origin[name] = (key, call, part)
+            for name, origin, v in _outputs(f, where, args):
+                self.origin[name] = origin
                 values[name] = _cast(v, dtype)
-            first = next(iter(values.values()), None)
-            rows = () if first is None else tuple(first.shape[:row_axes])
-            m = jnp.ones(rows, bool) if mask is None else jnp.asarray(mask(*args), bool)
+            if mask is None:
+                shapes = [(v.shape, self.origin[n].scans) for n, v in values.items()]
+                m = jnp.ones(row_shape(shapes, row_axes) if shapes else (), bool)
+            else:
+                m = jnp.asarray(mask(*args), bool)
             return values, m if whole is None else jax.lax.with_sharding_constraint(m, whole)
 
         if _is_nnx_module(fn):
@@ -168,12 +217,17 @@ def _is_nnx_module(fn: Any) -> bool:
 
 
 def leaf_specs(
-    step: Step, args: tuple[Any, ...], row_axes: int, masked: bool
+    step: Step, values: dict[str, Any], m: Any, row_axes: int, masked: bool
 ) -> tuple[list[Leaf], tuple[int, ...]]:
-    """The stored arrays of ``step`` on ``args`` and the batch's row shape (computed
-    abstractly); checks that every value leads with the row axes."""
-    values, m = step.shapes(*args)
-    leaves: list[Leaf] = []
+    """The stored arrays of ``step``'s outputs ``values`` and row mask ``m`` (arrays, or their
+    shapes from :meth:`Step.shapes`) and the batch's row shape; checks that every value leads
+    with the row axes.
+
+    A value that scans stacked (a call site inside ``nnx.scan``/``lax.scan`` over layers:
+    ``(layers, *rows, ...)``) is stored as one array per layer, ``name[i]`` (``name[i][j]``
+    under two scans): each layer's rows are contiguous in the value, and a layer is what
+    sparse autoencoders train on.
+    """
     rows = tuple(m.shape)
     if masked and len(rows) != row_axes:
         raise HookaxError(
@@ -181,15 +235,33 @@ def leaf_specs(
             f"row_axes={row_axes}. The mask has one entry per stored row: its shape is the "
             f"leading row_axes axes of every captured value. Fix: row_axes={len(rows)}."
         )
-    for name, v in values.items():
-        if tuple(v.shape[:row_axes]) != rows or v.ndim < row_axes:
+    leaves: list[Leaf] = []
+    for source, v in values.items():
+        o = step.origin[source]
+        shape = tuple(v.shape)
+        k = o.scans if shape[o.scans : o.scans + row_axes] == rows else 0
+        if shape[k : k + row_axes] != rows or len(shape) < k + row_axes:
+            stacked = f" after its {o.scans} leading scan axes" if o.scans else ""
             raise HookaxError(
-                f"hx.harvest: call site output {name!r} has shape {tuple(v.shape)}, whose leading "
-                f"{row_axes} axes are not the batch's rows {rows} (row_axes={row_axes}"
+                f"hx.harvest: call site output {source!r} has shape {shape}, whose leading "
+                f"{row_axes} axes{stacked} are not the batch's rows {rows} (row_axes={row_axes}"
                 f"{', from the mask' if masked else ', from the first output'}). Every stored "
                 f"value must lead with the same row axes. Fix: select only call sites whose "
                 f"outputs lead with the batch axes (where=...), or set row_axes= to match."
             )
-        key, call, part = step.origin[name]
-        leaves.append(Leaf(name, key, call, part, tuple(v.shape[row_axes:]), str(v.dtype)))
+        per_row = shape[k + row_axes :]
+        for index in itertools.product(*map(range, shape[:k])):
+            at = "".join(f"[{i}]" for i in index)
+            name = o.key + (source[len(o.key) :].removesuffix(o.part)) + at + o.part
+            leaves.append(
+                Leaf(name, o.key, o.call, o.part, per_row, str(v.dtype), source, tuple(index))
+            )
+    names = [leaf.name for leaf in leaves]
+    for name in names:
+        if names.count(name) > 1:
+            raise HookaxError(
+                f"hx.harvest: two stored values would be named {name!r} (a layer of a scanned "
+                f"call site and a part of an output of the same key). Fix: select only one of "
+                f"them with where=."
+            )
     return leaves, rows

@@ -28,11 +28,11 @@ writing a batch twice writes the same bytes: that is what makes a resumed run en
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,8 @@ __all__ = ["FORMAT", "Store", "import_tensorstore"]
 FORMAT = "hookax.harvest/1"
 META = "hookax.json"
 CHUNK_BYTES = 16 << 20  # the most bytes of one chunk
+PROGRESS_BYTES = 64  # the length of a progress file
+SEPARATOR = "."  # chunk keys c.0.0: a chunk is one file, not also a folder
 
 
 def import_tensorstore() -> Any:
@@ -89,13 +91,36 @@ def describe(
 
 def _write_json(path: Path, obj: Any, fsync: bool = True) -> None:
     """Atomically replace ``path`` with ``obj`` as JSON (temporary file, [fsync,] rename)."""
+    _write_text(path, json.dumps(obj, indent=1, sort_keys=True), fsync)
+
+
+def _write_text(path: Path, text: str, fsync: bool = True) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
+        f.write(text)
         if fsync:
             f.flush()
             os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _progress_record(batches: int) -> str:
+    """A progress file's text: always ``PROGRESS_BYTES`` long, so one ``pwrite`` replaces it."""
+    return json.dumps({"batches": batches}).ljust(PROGRESS_BYTES - 1) + "\n"
+
+
+def _read_progress(path: Path) -> int | None:
+    """A progress file's count (None if it is gone); retried if read while being rewritten."""
+    for attempt in range(5):
+        try:
+            return int(json.loads(path.read_text())["batches"])
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            if attempt == 4:
+                raise
+            time.sleep(0.01)
+    return None  # pragma: no cover
 
 
 def _show(a: dict[str, Any] | None) -> str:
@@ -125,18 +150,27 @@ class Store:
         self._ts = ts
         self.context = ts.Context({"file_io_sync": fsync})
         self.arrays: dict[str, Any] = {}
+        self._progress: int | None = None  # this process's progress file, open for rewriting
 
     # -- creation and validation -------------------------------------------------------------
 
     @staticmethod
     def prepare(
-        path: Path, desc: dict[str, Any], *, overwrite: bool, create: bool, batch_rows: int = 1
+        path: Path,
+        desc: dict[str, Any],
+        *,
+        overwrite: bool,
+        create: bool,
+        batch_rows: int = 1,
+        batches_per_chunk: int = 1,
     ) -> None:
         """Make ``path`` hold a store described by ``desc``: create it, or check the one there.
 
         ``create`` is true in the one process that may create (process 0). A new store's chunks
-        hold ``batch_rows`` rows (one batch's, when it is not masked: each batch then writes
-        whole chunks), fewer where that passes ``CHUNK_BYTES``.
+        hold ``batches_per_chunk * batch_rows`` rows, fewer where that passes ``CHUNK_BYTES``.
+        Several processes write through TensorStore, one batch per chunk (an unmasked batch
+        then writes whole chunks, never reading one back); one process appends to chunk files
+        itself (:mod:`hookax._harvest_chunks`) and prefers few large files.
         """
         meta_file = path / META
         if path.exists() and overwrite and create:
@@ -167,17 +201,18 @@ class Store:
             shutil.rmtree(path)
         path.mkdir(parents=True)
         (path / ".hookax-harvest").touch()
-        Store._create_arrays(path, desc, batch_rows)
+        Store._create_arrays(path, desc, batch_rows * batches_per_chunk)
         _write_json(meta_file, {**desc, "batches": 0, "rows": 0, "complete": False})
 
     @staticmethod
-    def _create_arrays(path: Path, desc: dict[str, Any], batch_rows: int) -> None:
+    def _create_arrays(path: Path, desc: dict[str, Any], chunk_rows: int) -> None:
         import numpy as np
 
         ts = import_tensorstore()
         ctx = ts.Context()
         futures = []
         row_axes = desc["row_axes"]
+        keys = {"name": "default", "configuration": {"separator": SEPARATOR}}
         specs = [(a["dir"], a["dtype"], a["shape"]) for a in desc["arrays"].values()]
         specs += [("_source", "int64", [1 + row_axes]), ("_batch_end", "int64", None)]
         for d, dtype, shape in specs:
@@ -185,11 +220,11 @@ class Store:
                 full, chunk = [0], [1024]
             else:
                 row_bytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
-                rows = max(1, min(batch_rows, CHUNK_BYTES // row_bytes))
+                rows = max(1, min(chunk_rows, CHUNK_BYTES // row_bytes))
                 full, chunk = [0, *shape], [rows, *[max(1, d) for d in shape]]
             futures.append(
                 ts.open(
-                    _spec(path / d),
+                    {**_spec(path / d), "metadata": {"chunk_key_encoding": keys}},
                     create=True,
                     dtype=ts.dtype(dtype),
                     shape=full,
@@ -213,6 +248,28 @@ class Store:
         }
         self.arrays = {n: f.result() for n, f in futures.items()}
 
+    def chunks(self, name: str, base: int) -> Any:
+        """A :class:`~hookax._harvest_chunks.Chunks` appending the rows of ``name`` after
+        ``base`` rows, or None where its chunk files are not plain bytes (then TensorStore
+        writes them). Only for a store that one process writes."""
+        from ._harvest_chunks import Chunks, plain
+
+        if name in ("_source", "_batch_end"):
+            folder = self.path / name
+            shape: tuple[int, ...] = (1 + self.meta["row_axes"],) if name == "_source" else ()
+        else:
+            folder = self.path / self.meta["arrays"][name]["dir"]
+            shape = tuple(self.meta["arrays"][name]["shape"])
+        zmeta = json.loads((folder / "zarr.json").read_text())
+        if not plain(zmeta, shape):
+            return None
+        arr = self.arrays[name]
+        rows = zmeta["chunk_grid"]["configuration"]["chunk_shape"][0]
+        sep = zmeta["chunk_key_encoding"].get("configuration", {}).get("separator", "/")
+        out = Chunks(folder, rows, shape, arr.dtype.numpy_dtype, sep, self.fsync)
+        out.resume(base, lambda lo, hi: arr[lo:hi].read().result())
+        return out
+
     # -- progress -----------------------------------------------------------------------------
 
     def committed(self) -> int:
@@ -221,8 +278,8 @@ class Store:
         prog = self.path / "progress"
         if prog.is_dir():
             for f in prog.glob("*.json"):
-                with contextlib.suppress(FileNotFoundError):
-                    counts.append(json.loads(f.read_text())["batches"])
+                if (count := _read_progress(f)) is not None:
+                    counts.append(count)
         if counts:
             return min(counts)
         return int(json.loads((self.path / META).read_text())["batches"])
@@ -234,9 +291,27 @@ class Store:
         return int(self.arrays["_batch_end"][batch - 1].read().result())
 
     def commit(self, batches: int) -> None:
+        """Record that this process has written ``batches`` batches. The first commit of a run
+        (and every one with ``fsync``) replaces the file by renaming a new one over it; later
+        ones rewrite it in place with one ``pwrite`` of the same length (a killed process
+        leaves the old or the new text), creating no file: a new file costs more than a batch's
+        bytes on a file system where many were just deleted."""
+        record = _progress_record(batches)
+        if self._progress is not None and not self.fsync:
+            os.pwrite(self._progress, record.encode(), 0)
+            return
         prog = self.path / "progress"
         prog.mkdir(exist_ok=True)
-        _write_json(prog / f"{self.process}.json", {"batches": batches}, self.fsync)
+        path = prog / f"{self.process}.json"
+        _write_text(path, record, self.fsync)
+        if not self.fsync:
+            self._progress = os.open(path, os.O_WRONLY | getattr(os, "O_CLOEXEC", 0))
+
+    def close(self) -> None:
+        """Close the progress file (the arrays need no closing)."""
+        if self._progress is not None:
+            os.close(self._progress)
+            self._progress = None
 
     def drop_other_progress(self, processes: int) -> None:
         """Remove progress files of processes that this run does not have."""
@@ -246,18 +321,30 @@ class Store:
 
     # -- growth and the end of a run ----------------------------------------------------------
 
-    def grow(self, name: str, rows: int) -> Any:
-        """The array ``name`` with room for ``rows`` rows. It at least doubles
-        (few metadata writes) and never shrinks: another process may have written further."""
-        arr = self.arrays[name]
-        while (size := arr.domain.exclusive_max[0]) < rows:
-            upper = [max(rows, 2 * size)] + [None] * (arr.rank - 1)
-            try:
-                arr = arr.resize(exclusive_max=upper, expand_only=True).result()
-            except ValueError:  # another process grew it further: reopen to see its size
-                arr = self._ts.open(arr.spec(), open=True, context=self.context).result()
-        self.arrays[name] = arr
-        return arr
+    def grow(self, sizes: dict[str, int]) -> None:
+        """Give each array ``name`` of ``sizes`` room for ``sizes[name]`` rows (all at once). An
+        array at least doubles, to four chunks or more (few metadata writes), and never shrinks:
+        another process may have written further."""
+        while True:
+            short = {
+                name: arr
+                for name, arr in self.arrays.items()
+                if name in sizes and arr.domain.exclusive_max[0] < sizes[name]
+            }
+            if not short:
+                return
+            futures = {}
+            for name, arr in short.items():
+                chunk = arr.chunk_layout.read_chunk.shape[0]
+                upper = [max(sizes[name], 2 * arr.domain.exclusive_max[0], 4 * chunk)]
+                upper += [None] * (arr.rank - 1)
+                futures[name] = arr.resize(exclusive_max=upper, expand_only=True)
+            for name, f in futures.items():
+                try:
+                    self.arrays[name] = f.result()
+                except ValueError:  # another process grew it further: reopen to see its size
+                    again = self._ts.open(short[name].spec(), open=True, context=self.context)
+                    self.arrays[name] = again.result()
 
     def finish(self, batches: int, rows: int) -> None:
         """Shrink the arrays to the rows written, record the counts, drop the progress files."""

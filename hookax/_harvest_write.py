@@ -14,6 +14,7 @@ consecutive positions, so a value sharded over devices and processes is never ga
 
 from __future__ import annotations
 
+import concurrent.futures
 import itertools
 import queue
 import threading
@@ -26,6 +27,8 @@ import numpy as np
 from ._errors import HookaxError
 
 __all__ = ["Writer", "start_transfers"]
+
+WRITE_THREADS = 4  # threads writing chunk files (each blocks in its O_DIRECT write)
 
 
 def _owned_shards(x: Any) -> list[Any]:
@@ -63,6 +66,9 @@ class Writer:
       row_axes: how many leading axes of every value are rows.
       base: rows already committed (the row position of the next batch).
       on_commit: called with ``(batches committed, rows, bytes written)`` after each commit.
+      direct: this process is the only one writing: it writes chunk files itself
+        (:mod:`hookax._harvest_chunks`) where their format allows.
+      batches: batches already committed (``base`` is their rows).
     """
 
     def __init__(
@@ -72,13 +78,30 @@ class Writer:
         row_axes: int,
         base: int,
         on_commit: Callable[[int, int, int], None],
+        direct: bool = False,
+        batches: int = 0,
     ) -> None:
         self.store, self.leaves, self.row_axes = store, leaves, row_axes
         self.rows, self.bytes = base, 0
+        # the step's outputs: their stored leaves, and the shape of their leading scan axes
+        self.sources: dict[str, list[Any]] = {}
+        for leaf in leaves.values():
+            self.sources.setdefault(leaf.source or leaf.name, []).append(leaf)
+        self.stacks = {
+            src: tuple(max(lf.index[d] for lf in group) + 1 for d in range(len(group[0].index)))
+            for src, group in self.sources.items()
+        }
+        self.chunks: dict[str, Any] = {}
+        if direct:
+            starts = {n: base for n in leaves} | {"_source": base, "_batch_end": batches}
+            for name, at in starts.items():
+                if (chunks := store.chunks(name, at)) is not None:
+                    self.chunks[name] = chunks
         self.on_commit = on_commit
         self.error: BaseException | None = None
         self._queue: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
+        self._threads: concurrent.futures.ThreadPoolExecutor | None = None
         self.busy = 0.0  # seconds spent writing
 
     # -- running on a thread ----------------------------------------------------------------
@@ -113,6 +136,11 @@ class Writer:
                     continue
             self._thread.join()
             self._thread = None
+        if self._threads is not None:
+            self._threads.shutdown()
+            self._threads = None
+        for chunks in self.chunks.values():
+            chunks.close()
         self.raise_error()
 
     def raise_error(self) -> None:
@@ -150,49 +178,95 @@ class Writer:
         m = np.asarray(_mask_array(mask))
         flat = m.reshape(-1)
         n = int(flat.sum())
-        pos = self.rows + np.cumsum(flat) - 1
+        for source, value in values.items():
+            self._check(index, source, value, m.shape)
+        # chunk files first (on the pool's threads), then the metadata and TensorStore's writes
+        pending = [
+            self._pool().submit(self._write_rows, self.chunks[leaf.name], leaf, value, flat, n)
+            for source, value in values.items()
+            for leaf in self.sources.get(source, ())
+            if n and leaf.name in self.chunks
+        ]
         futures: list[Any] = []
         keep: list[Any] = []  # the buffers, alive until their writes are done
-        for name, value in values.items():
-            self._check(index, name, value, m.shape)
-            if n == 0:
-                continue
-            arr = self.store.grow(name, self.rows + n)
-            for shard in _owned_shards(value):
-                futures += self._write_shard(arr, shard, m.shape, flat, pos, keep)
-        if self.store.process == 0:
-            futures += self._write_source(index, m, n)
-        for f in futures:
-            f.result()
+        try:
+            sizes = {name: self.rows + n for name in self.leaves} if n else {}
+            if self.store.process == 0:
+                sizes |= {"_batch_end": index + 1, "_source": self.rows + n}
+            self.store.grow(sizes)
+            if self.store.process == 0:
+                futures += self._write_source(index, m, n)
+            pos = self.rows + np.cumsum(flat) - 1
+            for source, value in values.items() if n else ():
+                for leaf in self.sources.get(source, ()):
+                    if leaf.name in self.chunks:
+                        continue
+                    arr = self.store.arrays[leaf.name]
+                    for shard in _owned_shards(value):
+                        futures += self._write_shard(arr, leaf, shard, m.shape, flat, pos, keep)
+            for f in futures:
+                f.result()
+        finally:  # every write ends before the batch is committed or its error reported
+            concurrent.futures.wait(pending)
+        for f in pending:
+            self.bytes += f.result()
         self.rows += n
         self.store.commit(index + 1)
         self.on_commit(index + 1, self.rows, self.bytes)
 
-    def _check(self, index: int, name: str, value: Any, rows: tuple[int, ...]) -> None:
-        want = rows + self.leaves[name].shape
+    def _pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._threads is None:
+            self._threads = concurrent.futures.ThreadPoolExecutor(
+                min(WRITE_THREADS, len(self.chunks)), thread_name_prefix="hookax-harvest-chunks"
+            )
+        return self._threads
+
+    def _check(self, index: int, source: str, value: Any, rows: tuple[int, ...]) -> None:
+        if source not in self.sources:  # a scan of length 0: nothing to store
+            return
+        leaf = self.sources[source][0]
+        want = self.stacks[source] + rows + leaf.shape
         if tuple(value.shape) != want:
             raise HookaxError(
-                f"hx.harvest: batch {index} gives call site output {name!r} of shape "
+                f"hx.harvest: batch {index} gives call site output {source!r} of shape "
                 f"{tuple(value.shape)}, but the store holds rows of shape "
-                f"{self.leaves[name].shape} (expected {want} for this batch's rows {rows}). "
+                f"{leaf.shape} (expected {want} for this batch's rows {rows}). "
                 f"Batches may differ in their row axes only. Nothing of batch {index} was "
                 f"committed. Fix: give batches of the same per-row shape."
             )
 
+    def _write_rows(self, chunks: Any, leaf: Any, value: Any, flat: np.ndarray, n: int) -> int:
+        """The kept rows of a leaf of a value this process holds whole, into their chunk
+        files; returns the bytes of those rows."""
+        data = np.asarray(value)[leaf.index]  # one process: every shard is on this host
+        data = data.reshape(-1, *leaf.shape)
+        if n < len(data):
+            data = data[flat]
+        chunks.write(data)
+        return int(data.nbytes)
+
     def _write_shard(
         self,
         arr: Any,
+        leaf: Any,
         shard: Any,
         rows: tuple[int, ...],
         flat: np.ndarray,
         pos: np.ndarray,
         keep: list[Any],
     ) -> list[Any]:
-        k = self.row_axes
+        """The kept rows of ``leaf`` in one shard of its value, as runs of consecutive rows."""
+        k, s = self.row_axes, len(leaf.index)
         index = shard.index
-        ranges = [np.arange(*s.indices(d)) for s, d in zip(index[:k], rows)]
-        ids = np.ravel_multi_index(tuple(np.meshgrid(*ranges, indexing="ij")), rows).reshape(-1)
+        stack = [sl.indices(d) for sl, d in zip(index[:s], self.stacks[leaf.source or leaf.name])]
+        if any(not (a <= i < b) for (a, b, _), i in zip(stack, leaf.index)):
+            return []  # this shard holds other layers
         data = np.asarray(shard.data)
+        if s:
+            data = data[tuple(i - a for (a, _, _), i in zip(stack, leaf.index))]
+        index = index[s:]
+        ranges = [np.arange(*sl.indices(d)) for sl, d in zip(index[:k], rows)]
+        ids = np.ravel_multi_index(tuple(np.meshgrid(*ranges, indexing="ij")), rows).reshape(-1)
         data = data.reshape(-1, *data.shape[k:])
         kept = flat[ids]
         if not kept.all():
@@ -209,10 +283,15 @@ class Writer:
     def _write_source(self, index: int, m: np.ndarray, n: int) -> list[Any]:
         """Process 0 records where each row came from, and where the batch ends."""
         end = self.rows + n
-        batch_end = self.store.grow("_batch_end", index + 1)
-        out = [batch_end[index].write(np.int64(end))]
+        out = []
+        parts = {"_batch_end": np.array([end], np.int64)}
         if n:
             where = np.argwhere(m).astype(np.int64)
-            src = np.concatenate([np.full((n, 1), index, np.int64), where], axis=1)
-            out.append(self.store.grow("_source", end)[self.rows : end].write(src))
+            parts["_source"] = np.concatenate([np.full((n, 1), index, np.int64), where], axis=1)
+        for name, rows in parts.items():
+            if name in self.chunks:
+                self.chunks[name].write(rows)
+            else:
+                first = index if name == "_batch_end" else self.rows
+                out.append(self.store.arrays[name][first : first + len(rows)].write(rows))
         return out

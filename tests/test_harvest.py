@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 import hookax as hx
-from hookax import _harvest_write
+from hookax import _harvest_chunks, _harvest_write
 from hookax._harvest import read
 from tests import harvest_worker as w
 
@@ -41,11 +41,13 @@ def store_contents(path):
     return meta, arrays, files
 
 
-def assert_same_store(a, b):
+def assert_same_store(a, b, files=True):
+    """Same description, arrays and (``files``) files. Without ``files``, chunks may differ."""
     meta_a, arrays_a, files_a = store_contents(a)
     meta_b, arrays_b, files_b = store_contents(b)
     assert meta_a == meta_b
-    assert files_a == files_b
+    if files:
+        assert files_a == files_b
     for d in arrays_a:
         np.testing.assert_array_equal(arrays_a[d], arrays_b[d], err_msg=d)
         assert arrays_a[d].dtype == arrays_b[d].dtype
@@ -161,22 +163,32 @@ def test_not_a_store_and_rows_that_do_not_line_up(tmp_path):
         hx.harvest(model, [x], where="layers/*", store=tmp_path / "s", row_axes=2)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_failing_writer_leaves_a_valid_store(tmp_path, monkeypatch, overlap):
-    """A full disk at batch 2: a clear error, batches 0-1 committed, a rerun completes it."""
+@pytest.mark.parametrize(
+    ("overlap", "chunks"),
+    [(True, True), (False, True), (True, False)],
+    ids=["thread", "inline", "tensorstore"],
+)
+def test_failing_writer_leaves_a_valid_store(tmp_path, monkeypatch, overlap, chunks):
+    """A full disk at batch 2: a clear error, batches 0-1 committed, a rerun completes it.
+    ``chunks``: the chunk files written by hookax (one process); else by TensorStore."""
     model = w.make_model()
     data = [x[:, 0] for x in w.host_batches(5)]
     hx.harvest(model, data, where="layers/*", store=tmp_path / "ref", progress=False)
-    real = _harvest_write.Writer._write_shard
+    if not chunks:
+        monkeypatch.setattr(_harvest_chunks, "plain", lambda *a: False)
+    seam = (_harvest_chunks, "_pwrite") if chunks else (_harvest_write.Writer, "_write_shard")
+    module, attr = seam
+    real = getattr(module, attr)
     calls = {"n": 0}
+    per_batch = 4 if chunks else 2  # two arrays (one shard each), and _source, _batch_end
 
-    def full_disk(self, arr, *args):
+    def full_disk(*args):
         calls["n"] += 1
-        if calls["n"] > 4:  # two arrays, one shard each: batch 2's first write
+        if calls["n"] > 2 * per_batch:  # batch 2's first write
             raise OSError(errno.ENOSPC, "No space left on device")
-        return real(self, arr, *args)
+        return real(*args)
 
-    monkeypatch.setattr(_harvest_write.Writer, "_write_shard", full_disk)
+    monkeypatch.setattr(module, attr, full_disk)
     with pytest.raises(
         hx.HookaxError,
         match=r"writing batch 2 .* No space left on device.*The store is valid: it holds the 2 "
@@ -185,7 +197,7 @@ def test_failing_writer_leaves_a_valid_store(tmp_path, monkeypatch, overlap):
         hx.harvest(model, data, where="layers/*", store=tmp_path / "s", overlap=overlap)
     stored = read(tmp_path / "s", "layers/2")
     np.testing.assert_array_equal(stored, captured(model, data[:2], "layers/2"))
-    monkeypatch.setattr(_harvest_write.Writer, "_write_shard", real)
+    monkeypatch.setattr(module, attr, real)
     h = hx.harvest(model, data, where="layers/*", store=tmp_path / "s", progress=False)
     assert h.resumed_at == 2
     assert_same_store(tmp_path / "ref", tmp_path / "s")
@@ -220,3 +232,172 @@ def test_cli_harvest(capsys, tmp_path):
     code = main([*argv[:-1], "0", "--out", str(tmp_path / "t")])
     assert code == 2
     assert capsys.readouterr().err == "hookax: error: --batches takes an integer >= 1, got 0\n"
+
+
+# ---- call sites inside a scan over layers, and inside jax.vmap ----
+
+L, D = 3, 4
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs):
+        self.attn = nnx.Linear(D, D, rngs=rngs)
+        self.mlp = nnx.Linear(D, D, rngs=rngs)
+
+    def __call__(self, x):
+        h = x + jnp.tanh(self.attn(x))
+        return h + self.mlp(h)
+
+
+class ScannedDecoder(nnx.Module):
+    def __init__(self, rngs):
+        @nnx.split_rngs(splits=L)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs):
+            return Block(rngs)
+
+        self.layers = make(rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x, block):
+            return block(x)
+
+        return body(x, self.layers)
+
+
+def test_scanned_layers_one_array_per_layer_and_resume(tmp_path, monkeypatch):
+    """blocks inside nnx.scan: (L, B, T, D) values stored as L arrays of (B*T, D) rows, each
+    equal to that layer's slice of eager hx.capture; the root (not scanned) alongside; resumed
+    runs end identical."""
+    model = ScannedDecoder(nnx.Rngs(0))
+    data = [x[..., :D] for x in w.host_batches(4)]  # (BATCH, SEQ, D)
+    where = hx.Select(paths=("layers/mlp", ""))
+    run = dict(where=where, row_axes=2, mask=w.pad_mask, progress=False)
+    h = hx.harvest(model, data, store=tmp_path / "ref", **run)
+    assert h.names == ("", "layers/mlp[0]", "layers/mlp[1]", "layers/mlp[2]")  # call order
+    want = [hx.capture(model, where=run["where"])(x)[1] for x in data]  # eager
+    keep = [np.asarray(w.pad_mask(x)) for x in data]
+    for i in range(L):
+        rows = np.concatenate([np.asarray(a["layers/mlp"][0][i])[k] for a, k in zip(want, keep)])
+        np.testing.assert_array_equal(h.read(f"layers/mlp[{i}]"), rows)
+    root = np.concatenate([np.asarray(a[""][0])[k] for a, k in zip(want, keep)])
+    np.testing.assert_array_equal(h.read(""), root)
+    meta = json.loads((tmp_path / "ref" / "hookax.json").read_text())
+    assert meta["arrays"]["layers/mlp[2]"] == {
+        "key": "layers/mlp",
+        "call": 0,
+        "part": "",
+        "layer": [2],
+        "shape": [D],
+        "dtype": "float32",
+        "dir": "layers.mlp_2_",
+    }
+    hx.harvest(model, data[:2], store=tmp_path / "s", **run)
+    resumed = hx.harvest(model, data, store=tmp_path / "s", **run)
+    assert resumed.resumed_at == 2
+    assert_same_store(tmp_path / "ref", tmp_path / "s")
+    # written shard by shard through TensorStore (as with several processes): the same arrays
+    monkeypatch.setattr(_harvest_chunks, "plain", lambda *a: False)
+    hx.harvest(model, data, store=tmp_path / "ts", **run)
+    assert_same_store(tmp_path / "ref", tmp_path / "ts", files=False)
+    # no mask and only scanned values: the rows are what follows the scan axis
+    h = hx.harvest(model, data[:1], where="layers/attn", store=tmp_path / "u", row_axes=2)
+    (attn,) = hx.capture(model, where="layers/attn")(data[0])[1]["layers/attn"]
+    np.testing.assert_array_equal(h.read("layers/attn[1]"), np.asarray(attn[1]).reshape(-1, D))
+
+
+def test_values_inside_vmap_lead_with_the_batch_axis(tmp_path):
+    model = w.make_model()
+    data = w.host_batches(2)  # (BATCH, SEQ, WIDTH): the model maps one example's (SEQ, WIDTH)
+    h = hx.harvest(
+        lambda x: jax.vmap(model)(x), data, where="layers/2", store=tmp_path / "s", row_axes=2
+    )
+    want = np.concatenate([np.asarray(model(x)).reshape(-1, 6) for x in data])
+    np.testing.assert_allclose(h.read("layers/2"), want, rtol=1e-6, atol=1e-6)
+
+
+FACTORY = """
+from flax import nnx
+
+
+class Scaled(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+        self.drop = nnx.Dropout(0.5, rngs=nnx.Rngs(1))
+
+    def __call__(self, x, *, scale):
+        return self.drop(self.lin(x) * scale)
+
+
+def make():
+    return Scaled()
+"""
+
+
+def test_cli_harvest_file_factory_kw_and_eval(capsys, tmp_path):
+    """The model options of every command: a file's factory, --kw (each batch), --eval."""
+    from hookax._cli import main
+    from hookax._gradflow import random_inputs
+
+    (tmp_path / "factory.py").write_text(FACTORY)
+    out = tmp_path / "s"
+    argv = [f"{tmp_path / 'factory.py'}:make", "--input", "f32[2,3]", "--kw", "scale=2.0"]
+    argv += ["--eval", "--where", "drop", "--batches", "2", "--out", str(out), "--no-progress"]
+    code = main(["harvest", *argv])
+    assert (code, capsys.readouterr().err) == (0, "")
+    ns = {}
+    exec(FACTORY, ns)
+    model = ns["make"]()
+    specs = (jax.ShapeDtypeStruct((2, 3), jnp.float32),)
+    xs = [random_inputs(specs, i)[0] for i in range(2)]
+    want = np.concatenate([np.asarray(model.lin(x)) * 2 for x in xs])  # no dropout: --eval
+    np.testing.assert_allclose(read(out, "drop"), want, rtol=1e-6, atol=1e-6)
+    meta = json.loads((out / "hookax.json").read_text())
+    assert meta["metadata"]["cli"] == {
+        "input": ["f32[2,3]"],
+        "seed": 0,
+        "kw": ["scale=2.0"],
+        "eval": True,
+    }
+    assert meta["model"] == "hookax._harvest_cli._Call"
+
+
+@pytest.mark.parametrize(("width", "rows"), [(64, 256), (3, 1000)])  # O_DIRECT; buffered
+def test_chunk_files_appended_and_resumed_over_a_killed_runs_rows(tmp_path, width, rows):
+    """Appends of any size; a resumed run cuts off the rows a killed run left after the
+    committed ones (in their chunk: later chunks go when the run's finish shrinks the array)."""
+    import itertools
+
+    import tensorstore as ts
+
+    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": str(tmp_path / "a")}}
+    keys = {"name": "default", "configuration": {"separator": "."}}
+    arr = ts.open(
+        {**spec, "metadata": {"chunk_key_encoding": keys}},
+        create=True,
+        dtype=ts.float32,
+        shape=[-(-1000 // rows) * rows, width],
+        chunk_layout=ts.ChunkLayout(chunk_shape=[rows, width]),
+        fill_value=0,
+    ).result()
+    rng = np.random.default_rng(0)
+    data = rng.normal(size=(1000, width)).astype(np.float32)
+
+    def chunks(base):
+        c = _harvest_chunks.Chunks(tmp_path / "a", rows, (width,), np.float32, ".")
+        c.resume(base, lambda lo, hi: arr[lo:hi].read().result())
+        return c
+
+    c = chunks(0)
+    assert c.direct == (width == 64 and bool(_harvest_chunks._O_DIRECT))
+    for a, b in itertools.pairwise([0, 5, 300, 301, 512, 600]):
+        c.write(data[a:b])
+    chunks(600).write(rng.normal(size=(400, width)).astype(np.float32))  # killed: uncommitted
+    c = chunks(600)  # the resumed run
+    c.write(data[600:610])
+    end = (609 // rows + 1) * rows  # the end of the chunk holding the last row
+    want = np.concatenate([data[:610], np.zeros((end - 610, width), np.float32)])
+    np.testing.assert_array_equal(arr[:end].read().result(), want)
+    c.write(data[610:1000])
+    np.testing.assert_array_equal(arr[:1000].read().result(), data)

@@ -86,4 +86,6 @@ def test_two_processes_write_the_store_of_one(tmp_path):
     finally:
         for p in procs:
             p.kill()
-    assert_same_store(tmp_path / "one", tmp_path / "two")
+    # one process writes chunks of up to 64 batches itself, two write one batch per chunk
+    # through TensorStore: the same arrays, chunked differently
+    assert_same_store(tmp_path / "one", tmp_path / "two", files=False)
