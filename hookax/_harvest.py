@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from ._capture import _DEFAULT, where_and_ops
 from ._errors import HookaxError
 
 __all__ = ["Harvest", "harvest"]
@@ -111,7 +112,8 @@ def harvest(
     fn: Callable[..., Any],
     batches: Iterable[Any],
     *,
-    where: Any = None,
+    where: Any = _DEFAULT,
+    ops: Any = None,
     store: str | Path,
     dtype: Any = None,
     mask: Callable[..., Any] | None = None,
@@ -148,7 +150,10 @@ def harvest(
       fn: an NNX module (jitted with ``nnx.jit``, the module passed as an argument) or any
         function calling modules (jitted with ``jax.jit``).
       batches: an iterable of batches; iterated once.
-      where: which call sites (as :func:`hookax.capture`); default every module's ``__call__``.
+      where: which call sites (as :func:`hookax.capture`); default every module's ``__call__``,
+        or none when ``ops=`` is given.
+      ops: operations inside call sites (as :func:`hookax.capture`'s ``ops=``:
+        ``"layers/*/attn:softmax"``), stored like call-site outputs under their addresses.
       store: the store's folder.
       dtype: store floating outputs in this dtype (cast on the device: ``jnp.bfloat16`` halves
         the bytes moved and written); default their own dtype. Integer outputs keep theirs.
@@ -200,7 +205,8 @@ def harvest(
     first = next(it, None)
     if first is None:
         raise HookaxError("hx.harvest: batches is empty: there is nothing to harvest.")
-    step = Step.cached(fn, where, dtype, mask, row_axes, as_args(first))
+    where, patterns = where_and_ops(where, ops, "hx.harvest")
+    step = Step.cached(fn, where, patterns, dtype, mask, row_axes, as_args(first))
     early = None
     if overwrite or not (path / META).exists():  # a new store: batch 0 computes meanwhile
         early = step(*as_args(first))
@@ -216,7 +222,7 @@ def harvest(
     desc = describe(
         leaves,
         model=_describe_fn(fn),
-        where=_describe_where(where),
+        where=_describe_where(where) + (f" ops={[p.text for p in patterns]!r}" if patterns else ""),
         row_axes=row_axes,
         masked=mask is not None,
         user=metadata,

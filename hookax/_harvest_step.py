@@ -78,12 +78,14 @@ def _scans(axes: tuple[tuple[str, Any], ...]) -> int:
     return n
 
 
-def _outputs(f: Any, where: Any, args: tuple[Any, ...]) -> list[tuple[str, Origin, Any]]:
+def _outputs(
+    f: Any, where: Any, ops: tuple[Any, ...], args: tuple[Any, ...]
+) -> list[tuple[str, Origin, Any]]:
     """``(name, origin, value)`` for every array leaf of every selected call's output, as
     :func:`hookax.capture` collects them, and how many scan axes lead each."""
     from ._capture import session
 
-    s = session("hx.harvest", where, f, args, {})
+    s = session("hx.harvest", where, f, args, {}, ops=ops)
     s.run(f, *args)
     calls: dict[str, list[Any]] = {k: [] for k in s.session.starts}
     for r in s.session.records:
@@ -143,6 +145,7 @@ class Step:
         self,
         fn: Any,
         where: Any,
+        ops: tuple[Any, ...],
         dtype: Any,
         mask: Callable[..., Any] | None,
         row_axes: int,
@@ -153,7 +156,7 @@ class Step:
 
         def body(f: Any, *args: Any) -> tuple[dict[str, Any], Any]:
             values = {}
-            for name, origin, v in _outputs(f, where, args):
+            for name, origin, v in _outputs(f, where, ops, args):
                 self.origin[name] = origin
                 values[name] = _cast(v, dtype)
             if mask is None:
@@ -178,6 +181,7 @@ class Step:
         cls,
         fn: Any,
         where: Any,
+        ops: tuple[Any, ...],
         dtype: Any,
         mask: Callable[..., Any] | None,
         row_axes: int,
@@ -185,14 +189,16 @@ class Step:
     ) -> Step:
         """The step of an earlier run with the same arguments (its compilations kept), or a
         new one. Objects are compared by identity, and kept alive by the cache."""
+        from ._capture import _NO_SITES
         from ._select import CALL_ONLY, as_selector
 
-        selector = as_selector(where, CALL_ONLY)  # compares by value
-        key = (id(fn), selector, str(dtype), id(mask), row_axes, replication(first))
+        # compares by value
+        selector = where if where is _NO_SITES else as_selector(where, CALL_ONLY)
+        key = (id(fn), selector, ops, str(dtype), id(mask), row_axes, replication(first))
         hit = _CACHE.get(key)
         if hit is not None and hit[0] is fn and hit[1] is mask:
             return hit[2]
-        step = cls(fn, where, dtype, mask, row_axes, first)
+        step = cls(fn, where, ops, dtype, mask, row_axes, first)
         _CACHE[key] = (fn, mask, step)
         while len(_CACHE) > 4:
             del _CACHE[next(iter(_CACHE))]

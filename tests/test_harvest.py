@@ -401,3 +401,17 @@ def test_chunk_files_appended_and_resumed_over_a_killed_runs_rows(tmp_path, widt
     np.testing.assert_array_equal(arr[:end].read().result(), want)
     c.write(data[610:1000])
     np.testing.assert_array_equal(arr[:1000].read().result(), data)
+
+
+def test_operations_inside_call_sites_are_harvested(tmp_path):
+    attn = nnx.MultiHeadAttention(num_heads=2, in_features=4, decode=False, rngs=nnx.Rngs(0))
+    data = [jax.random.normal(jax.random.key(i), (3, 5, 4)) for i in range(2)]
+    # the probabilities are (groups=1, batch, heads, q, k): rows over (groups, batch)
+    h = hx.harvest(attn, data, ops=":softmax", row_axes=2, store=tmp_path / "s", progress=False)
+    assert h.names == (":softmax",)
+    want = np.concatenate(
+        [np.asarray(hx.capture(attn, ops=":softmax")(x)[1][":softmax"][0][0]) for x in data]
+    )
+    np.testing.assert_allclose(h.read(":softmax"), want, rtol=1e-6, atol=1e-6)
+    meta = json.loads((tmp_path / "s" / "hookax.json").read_text())
+    assert meta["where"] == "<no call sites> ops=[':softmax']"
