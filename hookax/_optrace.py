@@ -215,15 +215,15 @@ class Walker:
 
     def edit(self, fn: Any, op: OpContext, value: Any) -> Any:
         """Apply an edit function; checks that what it returns fits the program."""
-        if self.custom:
+        new = fn(value, op)
+        if new is None:
+            return value
+        if self.custom:  # an edit that changes nothing (None) is harmless there
             raise HookaxError(
                 f"hx.intercept_op: operation {op.address!r} runs inside the custom-derivative "
                 f"function {self.custom[-1]!r}, whose gradient rule would not see the edit. Edit "
                 f"that function's output instead: ops={self.custom[-1]!r}."
             )
-        new = fn(value, op)
-        if new is None:
-            return value
         old_leaves, old_tree = jax.tree.flatten(value)
         new_leaves, new_tree = jax.tree.flatten(new)
         old_tree, new_tree = cast(Any, old_tree), cast(Any, new_tree)

@@ -549,3 +549,18 @@ def test_operations_in_a_shard_map_body_are_stacked_per_shard() -> None:
         with hx.intercept_op(lambda v, op: -v, ops=":tanh"):
             close(f(M(), x), -3.0 * jnp.tanh(x))
     assert_clean()
+
+
+def test_a_noop_edit_of_every_operation_changes_nothing() -> None:
+    scanned, x = Scanned(nnx.Rngs(0)), jax.random.normal(jax.random.key(2), (B, T, D))
+    want = scanned(x)
+    seen: list[str] = []
+
+    def noop(v: Any, op: hx.OpContext) -> None:
+        seen.append(op.address)
+
+    with hx.intercept_op(noop, ops="**:*#*"):  # inside custom_jvp functions too: None is fine
+        got = jax.jit(lambda m, x: m(x))(scanned, x)
+    close(got, want)
+    assert "layers/attn:softmax" in seen and "layers/attn:exp" in seen
+    assert_clean()
