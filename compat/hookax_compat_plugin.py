@@ -5,6 +5,10 @@ Loaded with ``-p hookax_compat_plugin`` into a framework's own test suite. ``HOO
 * ``imported``: import the frameworks, then hookax, and install its adapters (nothing active);
 * ``scoped``: the same, plus a no-op ``hx.intercept`` and no-op ``hx.hooks`` (forward pre-hook
   and forward hook) active around every test's call (a unittest test's ``setUp`` included).
+* ``ops``: the same, plus a no-op ``hx.intercept_op`` on every operation of every call site
+  (``ops="**:*#*"``): every module call pushes its name-stack scope and runs under the trace
+  that counts its operations (and ``jax.nn.softmax`` runs as JAX's custom_jvp softmax, as
+  documented). Not among the default ways: ``python compat/run.py --ways plain,ops``.
 
 At the end it writes how many call sites the no-op interceptor saw to ``HOOKAX_COMPAT_STATS``,
 the proof that hookax was really in the way.
@@ -56,6 +60,30 @@ def _scope() -> Iterator[None]:
 
     with hx.intercept(_noop), hx.hooks(forward_pre=_pre, forward=_post):
         yield
+
+
+def _noop_edit(value: Any, op: Any) -> None:
+    SEEN["ops"] = SEEN.get("ops", 0) + 1
+
+
+@contextlib.contextmanager
+def _ops_scope() -> Iterator[None]:
+    import hookax as hx
+
+    try:
+        with hx.intercept_op(_noop_edit, ops="**:*#*"), hx.intercept(_noop):
+            yield
+    except hx.SelectorError:  # call sites ran, none with an operation: nothing was in the way
+        pass
+
+
+if WAY == "ops":
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+        SEEN["tests"] += 1
+        with _ops_scope():
+            yield
 
 
 if WAY == "scoped":

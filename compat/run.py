@@ -6,6 +6,8 @@ pyproject.toml) three ways:
 * ``plain``: hookax is not importable at all;
 * ``imported``: hookax imported after the frameworks and its adapters installed, nothing active;
 * ``scoped``: also a no-op ``hx.intercept`` and no-op ``hx.hooks`` active around every test;
+* ``ops`` (with ``--ways``, not by default): a no-op ``hx.intercept_op`` on every operation of
+  every call site around every test;
 
 and prints a table of passed / failed / skipped per suite and way, then every test whose outcome
 differs from the plain run. Everything it needs lives in a cache directory outside the checkout
