@@ -21,7 +21,7 @@ from typing import Any
 from . import _tags
 from ._errors import HookaxError, SelectorError
 from ._fnkey import FnKey
-from ._optrace import OpContext, Walker, push_scope
+from ._optrace import OpContext, Site, Walker, push_scope
 from ._select import Select, Selector, check_glob
 
 __all__ = [
@@ -217,12 +217,14 @@ def enter_site(frame: Any, ctx: Any, entries: list[Any], fn: Callable[..., Any])
     # capture sees the value the rest of the program uses
     bound.sort(key=lambda b: b.handler.action != "edit")
 
+    site = Site(ctx.key, ctx.module, ctx.method, ctx.path)  # not ctx: see Site
+
     def method(module: Any, *args: Any, **kwargs: Any) -> Any:
         from jax._src import core
 
         from ._optrace import OpTrace
 
-        walker = Walker(scope, ctx, bound)
+        walker = Walker(scope, site, bound)
         with core.set_current_trace(OpTrace(core.trace_ctx.trace, walker)):
             return fn(module, *args, **kwargs)
 
@@ -414,10 +416,16 @@ class OpRow:
     within: str
 
 
-def _spec(shape: Any, dtype: Any) -> str:
+def _spec(x: Any) -> str:
+    """``"f32[2,3]"`` for an array, its abstract value's text for anything else."""
     from jax._src import core
 
-    return core.ShapedArray(tuple(shape), dtype).str_short(short_dtypes=True)
+    try:
+        aval: Any = core.ShapedArray(tuple(x.shape), x.dtype)
+    except (AttributeError, TypeError, ValueError):
+        aval = x if isinstance(x, core.AbstractValue) else core.typeof(x)
+    short = getattr(aval, "str_short", None)
+    return short(short_dtypes=True) if short is not None else str(aval)
 
 
 class Listing:
@@ -436,7 +444,6 @@ class Listing:
 
     def add(self, op: OpContext, value: Any, walker: Walker) -> None:
         import jax
-        import numpy as np
 
         # One row per address: a call site called (or traced) again has the same operations
         if op.address in self._rows:
@@ -447,8 +454,8 @@ class Listing:
             op.name,
             op.index,
             op.primitive,
-            tuple(_spec(a.shape, a.dtype) for a in op.inputs),
-            tuple(_spec(np.shape(v), v.dtype) for v in jax.tree.leaves(value)),
+            tuple(_spec(a) for a in op.inputs),
+            tuple(_spec(v) for v in jax.tree.leaves(value)),
             op.source,
             walker.named[-1] if walker.named else "",
         )

@@ -39,7 +39,7 @@ from ._errors import HookaxError, HookError
 from ._tagrules import _as_fun, _closed_to_consts, _eval, _in_avals, _restore, _scan_params, _trace
 from ._tags import tag_p
 
-__all__ = ["CallScope", "OpContext", "OpTrace", "Walker"]
+__all__ = ["CallScope", "OpContext", "OpTrace", "Site", "Walker"]
 
 
 class CallScope(siu.Scope):
@@ -76,7 +76,8 @@ class OpContext:
       module: the module whose method is running.
       method: that method's name.
       path: the module's path.
-      inputs: the operation's inputs, as ``jax.ShapeDtypeStruct``.
+      inputs: the operation's inputs, as ``jax.ShapeDtypeStruct`` (other inputs, such as NNX
+        variables in their hijax form, as their abstract values).
       source: where the operation was written (``"file.py:12 (fn)"``).
     """
 
@@ -146,8 +147,24 @@ def _short_path(path: str) -> str:
 
 
 def _struct(x: Any) -> Any:
+    """An input as ``jax.ShapeDtypeStruct``; a non-array input (an NNX hijax variable, a
+    reference) as its abstract value."""
     aval = core.typeof(x)
-    return jax.ShapeDtypeStruct(getattr(aval, "shape", ()), getattr(aval, "dtype", None))
+    if getattr(aval, "dtype", None) is None or not hasattr(aval, "shape"):
+        return aval
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """The call site a walker counts in. Not its ``hx.Context``: that holds the method wrapper,
+    which holds the walker's method; a cycle would keep the call's tracers alive until the
+    cycle collector ran (Linen's leak test runs without it)."""
+
+    key: str
+    module: Any
+    method: str
+    path: tuple[Any, ...]
 
 
 _ORDER = itertools.count()  # operations, in program order (named functions before their insides)
@@ -160,10 +177,10 @@ class Walker:
     part matches this call site; each decides per operation (``handler.visit``).
     """
 
-    def __init__(self, scope: CallScope, ctx: Any, handlers: list[Any]) -> None:
+    def __init__(self, scope: CallScope, site: Site, handlers: list[Any]) -> None:
         self.scope = scope
-        self.ctx = ctx
-        self.key = ctx.key
+        self.site = site
+        self.key = site.key
         self.handlers = handlers
         self.counts: dict[str, int] = {}
         self.touched = False  # whether a handler marked or edited a value (inside the current walk)
@@ -202,9 +219,9 @@ class Walker:
                     name,
                     n,
                     prim.name,
-                    self.ctx.module,
-                    self.ctx.method,
-                    self.ctx.path,
+                    self.site.module,
+                    self.site.method,
+                    self.site.path,
                     tuple(_struct(a) for a in args),
                     _source(),
                 )

@@ -564,3 +564,65 @@ def test_a_noop_edit_of_every_operation_changes_nothing() -> None:
     close(got, want)
     assert "layers/attn:softmax" in seen and "layers/attn:exp" in seen
     assert_clean()
+
+
+def test_no_tracer_is_kept_alive_by_a_reference_cycle() -> None:
+    """Linen's leak test, with every operation edited (a no-op): without the cycle collector."""
+    import gc
+    from unittest import mock
+
+    model = nn.Sequential([nn.Dense(8)])
+
+    @jax.jit
+    @jax.vmap
+    def sample(rng: jax.Array) -> jax.Array:
+        params = model.init(rng, jnp.zeros((2, 8)))
+        return model.apply(params, jnp.ones((2, 8)))
+
+    with (
+        hx.intercept_op(lambda v, op: None, ops="**:*#*"),
+        mock.patch.object(gc, "collect", return_value=0),
+        jax.checking_leaks(),
+    ):
+        for i in range(2):
+            sample(jax.random.split(jax.random.key(i), 4)).block_until_ready()
+    assert_clean()
+
+
+@nnx.var_defaults(hijax=True)
+def test_nnx_variables_as_inputs_of_operations() -> None:
+    """Flax's mutable-array example (hijax variables reach primitives as inputs), edited."""
+    import optax
+
+    class Model(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs) -> None:
+            self.linear = nnx.Linear(2, 8, rngs=rngs)
+            self.bn = nnx.BatchNorm(8, use_running_average=False, rngs=rngs)
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return nnx.relu(self.bn(self.linear(x)))
+
+    model = Model(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    x = jax.random.normal(jax.random.key(0), (4, 2))
+
+    @jax.jit
+    def train_step(x: jax.Array) -> jax.Array:
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss_fn(params: Any) -> jax.Array:
+            return (nnx.merge(graphdef, params, rest)(x) ** 2).mean()
+
+        loss, grads = jax.value_and_grad(loss_fn)(nnx.with_vars(params, hijax=False))
+        optimizer.update(model, grads)
+        return loss
+
+    seen: list[hx.OpContext] = []
+    with (
+        jax.numpy_dtype_promotion("standard"),  # optax's adam mixes Python floats and int32
+        hx.intercept_op(lambda v, op: seen.append(op), ops="bn:*#*"),
+    ):
+        train_step(x)
+    assert seen and all(op.key == "bn" for op in seen)
+    assert seen[0].name == "get_variable"  # reads a hijax variable: its input is no array
+    assert_clean()
