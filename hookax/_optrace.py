@@ -37,7 +37,7 @@ from jax._src.lax.control_flow import conditionals, loops
 
 from ._errors import HookaxError, HookError
 from ._tagrules import _as_fun, _closed_to_consts, _eval, _in_avals, _restore, _scan_params, _trace
-from ._tags import tag_p
+from ._tags import ForwardingTrace, tag_p
 
 __all__ = ["CallScope", "OpContext", "OpTrace", "Site", "Walker"]
 
@@ -276,25 +276,19 @@ def _fname(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
-class OpTrace(core.Trace):
-    """Forwards every operation to its parent trace; names the call site's own operations and
-    lets the walker's handlers see (and change) their values."""
+class OpTrace(ForwardingTrace):
+    """A forwarding trace that names the call site's own operations and lets the walker's
+    handlers see (and change) their values."""
 
-    __slots__ = ("parent", "walker")
+    __slots__ = ("walker",)
 
     def __init__(self, parent: Any, walker: Walker) -> None:
-        super().__init__()
-        self.parent = parent
+        super().__init__(parent)
         self.walker = walker
-        self._weakref = parent._weakref
-        self.requires_low = parent.requires_low
 
     def mine(self) -> bool:
         s = owner_scope()
         return s is None or s is self.walker.scope
-
-    def forward(self, prim: Any, args: Any, params: Any) -> Any:
-        return prim.bind_with_trace(self.parent, args, [core.typeof(a) for a in args], params)
 
     def process_primitive(self, prim: Any, args: Any, params: Any) -> Any:
         if prim is tag_p or not self.mine():
@@ -326,10 +320,6 @@ class OpTrace(core.Trace):
         with core.set_current_trace(self.parent):  # handlers' own operations are not counted
             new = w.apply(name, n, prim, args, flat)
         return new if prim.multiple_results else new[0]
-
-    def process_call(self, prim: Any, fun: Any, args: Any, params: Any) -> Any:
-        with core.set_current_trace(self):
-            return fun.call_wrapped(*args)
 
     def process_custom_jvp_call(
         self, prim: Any, fun: Any, jvp: Any, args: Any, *, symbolic_zeros: bool
@@ -388,13 +378,6 @@ class OpTrace(core.Trace):
                 return fun(*a)
 
         return self.parent.process_shard_map(prim, body, args, **params)
-
-    def cur_qdd(self, x: Any) -> Any:
-        return self.parent.cur_qdd(x)
-
-    def stage_value(self, val: Any) -> Any:
-        with core.set_current_trace(self.parent):
-            return self.parent.stage_value(val)
 
 
 def _under(f: Any, walker: Walker, *args: Any) -> Any:

@@ -34,7 +34,17 @@ from jax._src.interpreters import partial_eval as pe
 
 from ._errors import HookaxError
 
-__all__ = ["HarvestTrace", "Record", "Session", "depth", "live_session", "mark", "run", "tag_p"]
+__all__ = [
+    "ForwardingTrace",
+    "HarvestTrace",
+    "Record",
+    "Session",
+    "depth",
+    "live_session",
+    "mark",
+    "run",
+    "tag_p",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,22 +265,50 @@ def live_session(sid: int) -> Session | None:
     return _LOCAL.live.get(sid)
 
 
-class HarvestTrace(core.Trace):
-    """A trace that forwards everything to its parent, and handles its session's marks.
+class ForwardingTrace(core.Trace):
+    """A trace that forwards everything to its parent; subclasses intercept what they need.
 
     It shares its parent's trace identity (``_weakref``): frameworks that check "am I still in
     the trace this module was created in" (NNX, Linen) see no difference, and JAX's jit keys
-    are unchanged.
+    are unchanged. It creates no tracers of its own: values are the parent's.
     """
 
-    __slots__ = ("parent", "session")
+    __slots__ = ("parent",)
 
-    def __init__(self, parent: Any, session: Session) -> None:
+    def __init__(self, parent: Any) -> None:
         super().__init__()
         self.parent = parent
-        self.session = session
         self._weakref = parent._weakref
         self.requires_low = parent.requires_low
+
+    def forward(self, prim: Any, args: Any, params: Any) -> Any:
+        avals = [core.typeof(a) for a in args]
+        return prim.bind_with_trace(self.parent, args, avals, params)
+
+    def process_primitive(self, prim: Any, args: Any, params: Any) -> Any:
+        return self.forward(prim, args, params)
+
+    def process_call(self, prim: Any, fun: Any, args: Any, params: Any) -> Any:
+        with core.set_current_trace(self):
+            return fun.call_wrapped(*args)
+
+    def cur_qdd(self, x: Any) -> Any:
+        return self.parent.cur_qdd(x)
+
+    def stage_value(self, val: Any) -> Any:
+        with core.set_current_trace(self.parent):
+            return self.parent.stage_value(val)
+
+
+class HarvestTrace(ForwardingTrace):
+    """A forwarding trace that handles its session's marks (recorded, or a probe added) and
+    re-traces the inner jaxprs that hold them (``_tagrules``)."""
+
+    __slots__ = ("session",)
+
+    def __init__(self, parent: Any, session: Session) -> None:
+        super().__init__(parent)
+        self.session = session
 
     def process_primitive(self, prim: Any, args: Any, params: Any) -> Any:
         if prim is tag_p and params["sid"] == self.session.sid:
@@ -290,14 +328,6 @@ class HarvestTrace(core.Trace):
             return rule(self, args, params)
         return self.forward(prim, args, params)
 
-    def forward(self, prim: Any, args: Any, params: Any) -> Any:
-        avals = [core.typeof(a) for a in args]
-        return prim.bind_with_trace(self.parent, args, avals, params)
-
-    def process_call(self, prim: Any, fun: Any, args: Any, params: Any) -> Any:
-        with core.set_current_trace(self):
-            return fun.call_wrapped(*args)
-
     def process_custom_jvp_call(self, prim: Any, fun: Any, jvp: Any, args: Any, **kw: Any) -> Any:
         from . import _tagrules
 
@@ -314,13 +344,6 @@ class HarvestTrace(core.Trace):
         from . import _tagrules
 
         return _tagrules.shard_map(self, prim, fun, args, **params)
-
-    def cur_qdd(self, x: Any) -> Any:
-        return self.parent.cur_qdd(x)
-
-    def stage_value(self, val: Any) -> Any:
-        with core.set_current_trace(self.parent):
-            return self.parent.stage_value(val)
 
 
 def run(session: Session, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
