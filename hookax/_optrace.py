@@ -36,7 +36,16 @@ from jax._src import source_info_util as siu
 from jax._src.lax.control_flow import conditionals, loops
 
 from ._errors import HookaxError, HookError
-from ._tagrules import _as_fun, _closed_to_consts, _eval, _in_avals, _restore, _scan_params, _trace
+from ._tagrules import (
+    _as_fun,
+    _closed_to_consts,
+    _eval,
+    _in_avals,
+    _restore,
+    _scan_params,
+    _trace,
+    while_with,
+)
 from ._tags import ForwardingTrace, tag_p
 
 __all__ = ["CallScope", "OpContext", "OpTrace", "Site", "Walker"]
@@ -438,18 +447,8 @@ def _while(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:
     body, t2 = walk(params["body_jaxpr"], trace.walker)
     if not (t1 or t2):
         return _bind(trace, prim, args, params)
-    cn, bn = params["cond_nconsts"], params["body_nconsts"]
-    nc, cconsts = _closed_to_consts(cond)
-    nb, bconsts = _closed_to_consts(body)
-    p = dict(
-        params,
-        cond_jaxpr=nc,
-        body_jaxpr=nb,
-        cond_nconsts=cn + len(cconsts),
-        body_nconsts=bn + len(bconsts),
-    )
-    cargs, bargs, carry = args[:cn], args[cn : cn + bn], args[cn + bn :]
-    return _bind(trace, prim, [*cconsts, *cargs, *bconsts, *bargs, *carry], p)
+    p, new_args = while_with(params, cond, body, args)
+    return _bind(trace, prim, new_args, p)
 
 
 def _remat(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:

@@ -287,21 +287,30 @@ def _while(trace: HarvestTrace, args: Any, params: dict) -> Any:
     def new_cond(*a: Any) -> list[Any]:
         return _eval(cond, list(a[: cn + n_carry]))
 
-    nb, bconsts = _closed_to_consts(_trace(new_body, [*body.in_avals, *avals]))
-    ncond, cconsts = _closed_to_consts(_trace(new_cond, [*cond.in_avals, *avals]))
-    p = dict(
-        params,
-        body_jaxpr=nb,
-        cond_jaxpr=ncond,
-        body_nconsts=bn + len(bconsts),
-        cond_nconsts=cn + len(cconsts),
-    )
+    new_cond_j = _trace(new_cond, [*cond.in_avals, *avals])
+    p, new_args = while_with(params, new_cond_j, _trace(new_body, [*body.in_avals, *avals]), args)
     with core.set_current_trace(trace.parent):
         init = [_fill(a) for a in avals]
-    cargs, bargs, carry = args[:cn], args[cn : cn + bn], args[cn + bn :]
-    outs = _bind(trace, loops.while_p, [*cconsts, *cargs, *bconsts, *bargs, *carry, *init], p)
+    outs = _bind(trace, loops.while_p, [*new_args, *init], p)
     deliver(s, metas, outs[len(outs) - k :], ("while", None))
     return outs[: len(outs) - k]
+
+
+def while_with(params: dict, cond: Any, body: Any, args: Any) -> tuple[dict, list[Any]]:
+    """``while`` with new (closed) cond and body jaxprs: their constants become leading consts
+    inputs. The new params and arguments (``args``: the old ones)."""
+    cn, bn = params["cond_nconsts"], params["body_nconsts"]
+    ncond, cconsts = _closed_to_consts(cond)
+    nbody, bconsts = _closed_to_consts(body)
+    p = dict(
+        params,
+        cond_jaxpr=ncond,
+        body_jaxpr=nbody,
+        cond_nconsts=cn + len(cconsts),
+        body_nconsts=bn + len(bconsts),
+    )
+    cargs, bargs, carry = args[:cn], args[cn : cn + bn], args[cn + bn :]
+    return p, [*cconsts, *cargs, *bconsts, *bargs, *carry]
 
 
 def _slots(all_metas: list[tuple[Meta, ...]]) -> list[tuple[str, int, Meta]]:
