@@ -36,6 +36,17 @@ def interleaved(
     return {name: statistics.median(s) for name, s in samples.items()}
 
 
+def best_of(fn: Callable[[], object], n: int) -> float:
+    """Seconds of the fastest of ``n`` calls of ``fn``, after one call left out (warm-up)."""
+    fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731

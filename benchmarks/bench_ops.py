@@ -18,20 +18,9 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
 from typing import Any
 
-from benchmarks._timing import interleaved, table
-
-
-def _best(fn: Callable[[], Any], n: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+from benchmarks._timing import best_of, interleaved, table
 
 
 def _hlo(compiled: Any) -> str:
@@ -53,10 +42,10 @@ def main() -> None:
     x = jnp.zeros(spec.shape, spec.dtype)
     n_ops = len(hx.ops(model, x))
     listing = {
-        "jax.make_jaxpr (forward)": _best(lambda: jax.make_jaxpr(lambda x: model(x))(x)),
-        "hx.summary": _best(lambda: hx.summary(model, x)),
-        "hx.ops (every call site)": _best(lambda: hx.ops(model, x)),
-        "hx.ops (where=layers/0/attn)": _best(lambda: hx.ops(model, x, where="layers/0/attn")),
+        "jax.make_jaxpr (forward)": best_of(lambda: jax.make_jaxpr(lambda x: model(x))(x), 5),
+        "hx.summary": best_of(lambda: hx.summary(model, x), 5),
+        "hx.ops (every call site)": best_of(lambda: hx.ops(model, x), 5),
+        "hx.ops (where=layers/0/attn)": best_of(lambda: hx.ops(model, x, where="layers/0/attn"), 5),
     }
     base = listing["jax.make_jaxpr (forward)"]
     print(f"listing the {n_ops} operations of the example transformer (best of 5):")

@@ -19,20 +19,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks._timing import best_of
+
 
 def _peak_rss_mib() -> float:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes on macOS, KiB else
-
-
-def _best(fn: Callable[[], Any], n: int = 3) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def versus_tabulate() -> dict[str, float]:
@@ -57,7 +49,7 @@ def versus_tabulate() -> dict[str, float]:
             ),
         }
         for key, run in runs.items():
-            result[key] += _best(run)
+            result[key] += best_of(run, 3)
     print("transformer + resnet examples, seconds (best of 3):")
     for key, value in result.items():
         print(f"{key:>22}: {value:.2f} s")

@@ -38,6 +38,12 @@ def _is_nnx(objs: Any) -> bool:
     return any(isinstance(leaf, nnx.Module) for leaf in leaves)
 
 
+def is_nnx_module(obj: Any) -> bool:
+    """Whether ``obj`` is an NNX module (without importing Flax)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(obj, nnx.Module)
+
+
 def _is_equinox(objs: Any) -> bool:
     if "equinox" not in sys.modules:
         return False

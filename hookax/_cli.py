@@ -309,6 +309,25 @@ def load_model(args: argparse.Namespace, *, abstract: bool) -> LoadedModel:
     return LoadedModel(model, inputs, kwargs, name, int_high)
 
 
+def load_nnx_or_equinox(args: argparse.Namespace, does: str) -> LoadedModel:
+    """:func:`load_model` with its arrays, for commands that run Flax NNX and Equinox models
+    (``--eval``: NNX ``.eval()``, Equinox ``inference_mode``); a Linen model is refused."""
+    loaded = load_model(args, abstract=False)
+    nnx, eqx = sys.modules.get("flax.nnx"), sys.modules.get("equinox")
+    if nnx is not None and isinstance(loaded.model, nnx.Module):
+        if args.eval:
+            loaded.model.eval()
+    elif eqx is not None and isinstance(loaded.model, eqx.Module):
+        if args.eval:
+            loaded.model = eqx.nn.inference_mode(loaded.model)
+    else:
+        raise UsageError(
+            f"{does} Flax NNX and Equinox models; {loaded.name!r} is a "
+            f"{type(loaded.model).__name__} (hookax summary takes it)"
+        )
+    return loaded
+
+
 _TRACING_ERRORS = (
     "ConcretizationTypeError",
     "TracerArrayConversionError",
@@ -475,19 +494,7 @@ def _gradflow(args: argparse.Namespace) -> None:
         check_writable(args.out)
     except OSError as e:
         raise UsageError(f"cannot write {args.out!r}: {e.strerror or e}") from None
-    loaded = load_model(args, abstract=False)
-    nnx, eqx = sys.modules.get("flax.nnx"), sys.modules.get("equinox")
-    if nnx is not None and isinstance(loaded.model, nnx.Module):
-        if args.eval:
-            loaded.model.eval()
-    elif eqx is not None and isinstance(loaded.model, eqx.Module):
-        if args.eval:
-            loaded.model = eqx.nn.inference_mode(loaded.model)
-    else:
-        raise UsageError(
-            f"gradflow plots Flax NNX and Equinox models; {loaded.name!r} is a "
-            f"{type(loaded.model).__name__} (hookax summary takes it)"
-        )
+    loaded = load_nnx_or_equinox(args, "gradflow plots")
     inputs = random_inputs(loaded.args, args.seed, loaded.int_high)
     kwargs = _concrete_kwargs(loaded.kwargs, args.seed)
     try:

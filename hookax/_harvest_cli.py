@@ -35,7 +35,6 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    import sys
 
     from . import _cli
     from ._errors import HookaxError
@@ -52,19 +51,7 @@ def run(args: argparse.Namespace) -> None:
                 f"--dtype takes one of {', '.join(sorted(DTYPES))}, got {args.dtype!r}"
             )
         dtype = DTYPES[args.dtype]
-    loaded = _cli.load_model(args, abstract=False)
-    nnx, eqx = sys.modules.get("flax.nnx"), sys.modules.get("equinox")
-    if nnx is not None and isinstance(loaded.model, nnx.Module):
-        if args.eval:
-            loaded.model.eval()
-    elif eqx is not None and isinstance(loaded.model, eqx.Module):
-        if args.eval:
-            loaded.model = eqx.nn.inference_mode(loaded.model)
-    else:
-        raise _cli.UsageError(
-            f"harvest runs Flax NNX and Equinox models; {loaded.name!r} is a "
-            f"{type(loaded.model).__name__} (hookax summary takes it)"
-        )
+    loaded = _cli.load_nnx_or_equinox(args, "harvest runs")
     model, specs = loaded.model, loaded.args
     fn: Any = model
     if loaded.kwargs:  # the same keyword arguments for every batch

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._actgrad import is_nnx_module
 from ._errors import HookaxError
 
 __all__ = ["Leaf", "Origin", "Step", "as_args", "leaf_specs", "replication", "row_shape"]
@@ -166,7 +167,7 @@ class Step:
                 m = jnp.asarray(mask(*args), bool)
             return values, m if whole is None else jax.lax.with_sharding_constraint(m, whole)
 
-        if _is_nnx_module(fn):
+        if is_nnx_module(fn):
             from flax import nnx
 
             jitted = nnx.jit(body)
@@ -213,13 +214,6 @@ class Step:
 
 
 _CACHE: dict[Any, tuple[Any, Any, Step]] = {}
-
-
-def _is_nnx_module(fn: Any) -> bool:
-    import sys
-
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(fn, nnx.Module)
 
 
 def leaf_specs(

@@ -99,24 +99,17 @@ def ops(fn: Callable[..., Any], *args: Any, where: Any = None, **kwargs: Any) ->
     >>> [(r.address, r.within) for r in table if r.name in ("softmax", "exp", "dot_general")]
     [('lin:dot_general', ''), (':softmax', ''), (':exp', ':softmax'), (':exp#1', '')]
     """
-    from ._actgrad import eval_shape, framework_mode
+    from ._actgrad import eval_shape, framework_mode, is_nnx_module
     from ._intercept import Entry, tracked
 
     listing = Listing()
     selector = as_selector(resolve_instances(where, (fn, args, kwargs)), CALL_ONLY)
     handler = OpHandler("list", listing, (OpPattern("**:*#*", selector, "*", None),))
     mode = framework_mode(fn, args, kwargs)
-    if mode is True and _is_nnx_module(fn):  # an argument of nnx.eval_shape: it may update state
+    if mode is True and is_nnx_module(fn):  # an argument of nnx.eval_shape: it may update state
         call, args = (lambda m, *a, **k: m(*a, **k)), (fn, *args)
     else:
         call = lambda *a, **k: fn(*a, **k)  # noqa: E731
     with tracked(Entry("ops", handler, selector), "hx.ops", where), named_softmax():
         eval_shape(call, mode, args, kwargs)
     return Ops(listing.rows)
-
-
-def _is_nnx_module(obj: Any) -> bool:
-    import sys
-
-    nnx = sys.modules.get("flax.nnx")
-    return nnx is not None and isinstance(obj, nnx.Module)
