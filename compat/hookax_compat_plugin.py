@@ -77,21 +77,14 @@ def _ops_scope() -> Iterator[None]:
         pass
 
 
-if WAY == "ops":
+_SCOPES = {"scoped": _scope, "ops": _ops_scope}
+
+if WAY in _SCOPES:
 
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
         SEEN["tests"] += 1
-        with _ops_scope():
-            yield
-
-
-if WAY == "scoped":
-
-    @pytest.hookimpl(hookwrapper=True)
-    def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-        SEEN["tests"] += 1
-        with _scope():
+        with _SCOPES[WAY]():
             yield
 
 
