@@ -8,7 +8,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export NO_MKDOCS_2_WARNING := 1
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: demo test test-newest test-oldest test-wheel lint typecheck docs bench lock install-dev install compat
+.PHONY: demo test test-newest test-oldest test-slow test-wheel lint typecheck docs bench lock install-dev install compat
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3)"; exit 1; }
@@ -47,6 +47,10 @@ test-newest: $(VENV)/.installed-dev
 
 test-oldest: $(VENV)/.installed-dev
 	$(BIN)/nox -s oldest
+
+# The tests marked `slow` (CI runs them after `make test`).
+test-slow: $(VENV)/.installed-dev
+	$(BIN)/nox -s slow
 
 test-wheel: $(VENV)/.installed-dev
 	$(BIN)/nox -s wheel

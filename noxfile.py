@@ -22,7 +22,7 @@ import nox
 
 nox.options.default_venv_backend = "uv|venv"
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["newest", "oldest", "wheel"]
+nox.options.sessions = ["newest", "oldest", "slow", "wheel"]
 
 PYTHON = "3.11"
 ENV = {
@@ -63,7 +63,16 @@ def newest(session: nox.Session) -> None:
     """The whole suite (tests, doctests of hookax/, docs/ and the README) on the locked set."""
     session.install("-r", "requirements-dev.lock")
     session.install("--no-deps", "-e", ".")
-    session.run("python", "-m", "pytest", "-q", *WORKERS, *session.posargs, env=ENV)
+    args = session.posargs or ["-m", "not slow"]
+    session.run("python", "-m", "pytest", "-q", *WORKERS, *args, env=ENV)
+
+
+@nox.session(python=PYTHON)
+def slow(session: nox.Session) -> None:
+    """The tests marked ``slow`` (soaks, subprocess and signal runs), on the locked newest set."""
+    session.install("-r", "requirements-dev.lock")
+    session.install("--no-deps", "-e", ".")
+    session.run("python", "-m", "pytest", "-q", *WORKERS, "-m", "slow", *session.posargs, env=ENV)
 
 
 @nox.session(python=PYTHON)
@@ -75,7 +84,7 @@ def oldest(session: nox.Session) -> None:
     """
     session.install("-c", "constraints-oldest.txt", "-e", ".[test]")
     session.run("python", ".ci/check_pins.py", "constraints-oldest.txt")
-    args = session.posargs or [*OLDEST_TESTS, "-k", OLDEST_DESELECT]
+    args = session.posargs or [*OLDEST_TESTS, "-k", OLDEST_DESELECT, "-m", "not slow"]
     warnings = ["-W", "ignore::DeprecationWarning"]
     session.run("python", "-m", "pytest", "-q", *WORKERS, *warnings, *args, env=ENV)
 
