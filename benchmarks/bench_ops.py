@@ -106,7 +106,7 @@ def llama_7b() -> None:
     from flax import nnx
 
     import hookax as hx
-    from hookax._ops_cli import _abstract_call
+    from hookax._cli.ops import _abstract_call
     from hookax.examples import transformer
 
     model = nnx.eval_shape(lambda: transformer.Decoder(transformer.LLAMA_7B, rngs=nnx.Rngs(0)))

@@ -47,7 +47,7 @@ def pytest_configure(config: pytest.Config) -> None:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     import hookax
-    from hookax import frameworks
+    from hookax._engine import adapters as frameworks
 
     frameworks.ensure_installed()
     SEEN["hookax"] = hookax.__file__

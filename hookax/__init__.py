@@ -9,43 +9,30 @@ True
 
 from importlib import metadata as _metadata
 
-from ._actgrad import value_and_grad as value_and_grad
-from ._capture import capture as capture
-from ._context import Context as Context
-from ._errors import HookaxError as HookaxError
-from ._errors import HookError as HookError
-from ._errors import SelectorError as SelectorError
-from ._grad import hook_grad as hook_grad
-from ._gradflow import GradFlow as GradFlow
-from ._gradflow import grad_flow as grad_flow
-from ._gradflow import layer_grad_norms as layer_grad_norms
-from ._gradflow import plot_grad_flow as plot_grad_flow
-from ._harvest import harvest as harvest
-from ._hooks import HookHandle as HookHandle
-from ._hooks import hooks as hooks
-from ._hooks import register_forward_hook as register_forward_hook
-from ._hooks import register_forward_pre_hook as register_forward_pre_hook
-from ._hooks import register_full_backward_hook as register_full_backward_hook
-from ._hooks import register_full_backward_pre_hook as register_full_backward_pre_hook
-from ._hooks import remove_hooks as remove_hooks
-from ._intercept import Interceptor as Interceptor
-from ._intercept import intercept as intercept
-from ._ops import OpRow as OpRow
-from ._ops import intercept_op as intercept_op
-from ._ops import named_scopes as named_scopes
-from ._opslist import Ops as Ops
-from ._opslist import ops as ops
-from ._optrace import OpContext as OpContext
-from ._select import Select as Select
-from ._select import Selector as Selector
-from ._summary import Memory as Memory
-from ._summary import Summary as Summary
-from ._summary import SummaryRow as SummaryRow
-from ._summary import SummaryTotals as SummaryTotals
-from ._summary import summary as summary
-from .frameworks import StaleTraceWarning as StaleTraceWarning
-from .frameworks import ensure_installed as _ensure_installed
-from .frameworks import key_linen_interceptors as key_linen_interceptors
+from ._capture.actgrad import value_and_grad
+from ._capture.capture import capture
+from ._capture.ops import OpRow, intercept_op, named_scopes
+from ._capture.opslist import Ops, ops
+from ._diagnostics.gradflow import GradFlow, grad_flow, layer_grad_norms, plot_grad_flow
+from ._engine.adapters import StaleTraceWarning, key_linen_interceptors
+from ._engine.adapters import ensure_installed as _ensure_installed
+from ._engine.context import Context
+from ._engine.select import Select, Selector
+from ._harvest.harvest import harvest
+from ._hooks.grad import hook_grad
+from ._hooks.hooks import (
+    HookHandle,
+    hooks,
+    register_forward_hook,
+    register_forward_pre_hook,
+    register_full_backward_hook,
+    register_full_backward_pre_hook,
+    remove_hooks,
+)
+from ._hooks.intercept import Interceptor, intercept
+from ._summary.summary import Memory, Summary, SummaryRow, SummaryTotals, summary
+from ._transforms.optrace import OpContext
+from ._util.errors import HookaxError, HookError, SelectorError
 
 try:
     __version__ = _metadata.version("hookax")

@@ -6,7 +6,9 @@ from typing import Any
 
 from flax import nnx
 
-from hookax import _context, _hooks, _tags
+from hookax._engine import context as _context
+from hookax._hooks import hooks as _hooks
+from hookax._transforms import tags as _tags
 
 
 def assert_clean(*models: Any) -> None:

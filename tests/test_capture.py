@@ -11,7 +11,8 @@ import pytest
 from flax import nnx
 
 import hookax as hx
-from hookax import _context, _tags
+from hookax._engine import context as _context
+from hookax._transforms import tags as _tags
 
 W = 4
 

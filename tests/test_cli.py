@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import hookax as hx
-from hookax._cli import main
+from hookax._cli.main import main
 
 
 @pytest.fixture
@@ -150,7 +150,7 @@ def test_gradflow_png(capsys, tmp_path):
 
 
 def test_gradflow_figure_labels_range_and_markers():
-    from hookax._gradflow import OUTPUT_LABEL, PARAM_LABEL, GradFlow, plot_grad_flow
+    from hookax._diagnostics.gradflow import OUTPUT_LABEL, PARAM_LABEL, GradFlow, plot_grad_flow
 
     flow = GradFlow(
         {"a": 0.17, "b": 0.49, "c": 0.0, "d": float("nan")},
@@ -218,7 +218,7 @@ def test_gradflow_of_a_scanned_model_has_one_point_per_layer():
     import jax.numpy as jnp
     from flax import nnx
 
-    from hookax._gradflow import grad_flow, mean_square_loss, plot_grad_flow
+    from hookax._diagnostics.gradflow import grad_flow, mean_square_loss, plot_grad_flow
     from tests.models import Scanned
 
     model = Scanned()
@@ -268,7 +268,7 @@ def test_gradflow_of_a_scanned_model_has_one_point_per_layer():
 def test_scanned_layer_labels_interleave_layers():
     import jax.numpy as jnp
 
-    from hookax._gradflow import _NNX, _Layout
+    from hookax._diagnostics.gradflow import _NNX, _Layout
     from tests.models import Scanned
 
     layout = _Layout.of(_NNX, Scanned(), (jnp.ones((2, 3), jnp.float32),), {})
@@ -377,7 +377,7 @@ def test_python_dash_m_hookax_and_lazy_imports():
     assert (bad.returncode, bad.stdout) == (2, "")
     assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
     code = (
-        "import sys, hookax, hookax._cli, hookax.examples; "
+        "import sys, hookax, hookax._cli.main, hookax.examples; "
         "print(sorted(m for m in ('flax', 'rich', 'matplotlib', 'equinox') if m in sys.modules))"
     )
     lazy = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -409,7 +409,7 @@ def test_layer_grad_norms_are_activation_gradient_norms():
     import jax.numpy as jnp
     from flax import nnx
 
-    from hookax._gradflow import layer_grad_norms, mean_square_loss
+    from hookax._diagnostics.gradflow import layer_grad_norms, mean_square_loss
 
     rngs = nnx.Rngs(0)
     model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))

@@ -22,7 +22,7 @@ import pytest
 from flax import nnx
 
 import hookax as hx
-from hookax import _context
+from hookax._engine import context as _context
 
 W1 = jnp.arange(12, dtype=jnp.float32).reshape(3, 4) / 10 - 0.5
 B1 = jnp.array([0.1, -0.2, 0.3, -0.4], jnp.float32)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import hookax as hx
-from hookax import _context
+from hookax._engine import context as _context
 
 from .test_conformance import close, keys
 

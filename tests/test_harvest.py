@@ -10,8 +10,9 @@ import pytest
 from flax import nnx
 
 import hookax as hx
-from hookax import _harvest_chunks, _harvest_write
-from hookax._harvest import read
+from hookax._harvest import chunks as _harvest_chunks
+from hookax._harvest import write as _harvest_write
+from hookax._harvest.harvest import read
 from tests import harvest_worker as w
 
 
@@ -214,7 +215,7 @@ def test_sharded_values_written_shard_by_shard(tmp_path):
 
 
 def test_cli_harvest(capsys, tmp_path):
-    from hookax._cli import main
+    from hookax._cli.main import main
 
     argv = ["harvest", "--example", "mlp", "--where", "layers/*", "--batches", "3"]
     code = main([*argv, "--dtype", "bf16", "--out", str(tmp_path / "s"), "--no-progress"])
@@ -337,8 +338,8 @@ def make():
 
 def test_cli_harvest_file_factory_kw_and_eval(capsys, tmp_path):
     """The model options of every command: a file's factory, --kw (each batch), --eval."""
-    from hookax._cli import main
-    from hookax._gradflow import random_inputs
+    from hookax._cli.main import main
+    from hookax._diagnostics.gradflow import random_inputs
 
     (tmp_path / "factory.py").write_text(FACTORY)
     out = tmp_path / "s"
@@ -360,7 +361,7 @@ def test_cli_harvest_file_factory_kw_and_eval(capsys, tmp_path):
         "kw": ["scale=2.0"],
         "eval": True,
     }
-    assert meta["model"] == "hookax._harvest_cli._Call"
+    assert meta["model"] == "hookax._cli.harvest._Call"
 
 
 @pytest.mark.parametrize(("width", "rows"), [(64, 256), (3, 1000)])  # O_DIRECT; buffered

@@ -12,7 +12,8 @@ import pytest
 from flax import nnx
 
 import hookax as hx
-from hookax import _context, _hooks
+from hookax._engine import context as _context
+from hookax._hooks import hooks as _hooks
 
 MODES = ["eager", "jit"]
 

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import hookax as hx
-from hookax import _context
+from hookax._engine import context as _context
 
 from .models import MLP, Scanned
 

@@ -35,7 +35,7 @@ from flax import nnx
 from flax.linen import module as linen_module
 
 import hookax as hx
-from hookax import _context
+from hookax._engine import context as _context
 from hookax.frameworks import _linen
 
 ROOT = Path(__file__).resolve().parent.parent

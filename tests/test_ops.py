@@ -24,7 +24,8 @@ from flax import nnx
 from flax.nnx.nn.attention import dot_product_attention_weights
 
 import hookax as hx
-from hookax import _context, _tags
+from hookax._engine import context as _context
+from hookax._transforms import tags as _tags
 
 D, H, T, L, B = 8, 2, 4, 3, 2
 

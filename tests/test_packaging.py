@@ -11,8 +11,9 @@ import types
 import pytest
 
 import hookax as hx
-from hookax import _cli, _gradflow
-from hookax._extras import MissingExtraError, require
+from hookax._cli import main as _cli
+from hookax._diagnostics import gradflow as _gradflow
+from hookax._util.extras import MissingExtraError, require
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

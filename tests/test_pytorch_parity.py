@@ -40,7 +40,7 @@ import pytest
 from flax import nnx
 
 import hookax as hx
-from hookax import _hooks
+from hookax._hooks import hooks as _hooks
 
 MODES = ["eager", "jit"]
 

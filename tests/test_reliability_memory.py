@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 import hookax as hx
-from hookax import _context
+from hookax._engine import context as _context
 from tests.models import MLP
 from tests.reliability_helpers import assert_clean
 

@@ -115,7 +115,7 @@ def test_hooks_registered_from_many_threads_on_one_module_are_all_kept():
             handles.extend(mine)
 
     workers = [threading.Thread(target=work) for _ in range(threads)]
-    # Threads switch as often as possible, so races show: without the lock in hookax._hooks
+    # Threads switch as often as possible, so races show: without the lock in hookax._hooks.hooks
     # this test fails every time.
     interval = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)

@@ -6,7 +6,7 @@ import pytest
 from flax import nnx
 
 import hookax as hx
-from hookax import _context
+from hookax._engine import context as _context
 from hookax.examples import NAMES, load
 
 F32 = jnp.float32

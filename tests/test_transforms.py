@@ -18,7 +18,8 @@ import pytest
 from flax import nnx
 
 import hookax as hx
-from hookax import _context, _tags
+from hookax._engine import context as _context
+from hookax._transforms import tags as _tags
 
 D, L = 8, 6
 

@@ -22,7 +22,8 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from .. import _context, _dispatch
+from .._engine import context as _context
+from .._engine import dispatch as _dispatch
 from ._classwrap import MARK, install_on
 
 __all__ = ["ADAPTER", "install", "wrap_class"]

@@ -35,8 +35,9 @@ from typing import Any
 
 from flax.linen import module as linen_module
 
-from .. import _context, _dispatch
-from .. import frameworks as _frameworks
+from .._engine import adapters as _frameworks
+from .._engine import context as _context
+from .._engine import dispatch as _dispatch
 
 __all__ = ["ADAPTER", "install"]
 
@@ -134,9 +135,9 @@ class _Stack(linen_module.ThreadLocalStack):
     def push(self, elem: Any) -> None:
         scope = None
         if _frameworks.LINEN_KEYED[0]:
-            from .._fnkey import FnKey
-            from .._intercept import Entry, scoped
-            from .._select import Select
+            from .._engine.select import Select
+            from .._hooks.intercept import Entry, scoped
+            from .._util.fnkey import FnKey
 
             # Kind "linen" is never run by hookax: it only keys the jit caches.
             scope = scoped(Entry("linen", FnKey(elem), Select()))

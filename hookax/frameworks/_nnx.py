@@ -11,7 +11,8 @@ from typing import Any
 from flax import nnx
 from flax.nnx import graphlib
 
-from .. import _context, _dispatch
+from .._engine import context as _context
+from .._engine import dispatch as _dispatch
 from ._classwrap import MARK, install_on
 
 __all__ = ["ADAPTER", "install", "wrap_class"]

@@ -1,0 +1,236 @@
+"""``hx.value_and_grad``: gradients of the loss with respect to call-site outputs, no model edits.
+
+The mechanism is NNX's ``perturb`` without the model edits, through every transform:
+
+1. the selected call sites' records (key, output structure, shapes, stacked as capture stacks
+   them) are found abstractly: a capture session (``_tags``, *reap*) under ``eval_shape``;
+2. zero probes of those shapes are passed as one more argument to the framework's
+   ``value_and_grad``;
+3. while differentiating, a *plant* session adds each probe to its marked output (``x + 0``,
+   folded by XLA), threading probes into scans, jits, conds and remats as extra inputs
+   (``_tagrules``), so the gradient with respect to a probe is d loss / d output.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._transforms import tags as _tags
+from .._util.errors import HookaxError
+from . import capture as _capture
+
+__all__ = ["value_and_grad"]
+
+WHO = "hx.value_and_grad"
+
+
+def _is_nnx(objs: Any) -> bool:
+    if "flax.nnx" not in sys.modules:
+        return False
+    from flax import nnx
+
+    leaves = jax.tree.leaves(objs, is_leaf=lambda x: isinstance(x, nnx.Module))
+    return any(isinstance(leaf, nnx.Module) for leaf in leaves)
+
+
+def is_nnx_module(obj: Any) -> bool:
+    """Whether ``obj`` is an NNX module (without importing Flax)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(obj, nnx.Module)
+
+
+def _is_equinox(objs: Any) -> bool:
+    if "equinox" not in sys.modules:
+        return False
+    import equinox as eqx
+
+    leaves = jax.tree.leaves(objs, is_leaf=lambda x: isinstance(x, eqx.Module))
+    return any(isinstance(leaf, eqx.Module) for leaf in leaves)
+
+
+def _eqx_value_and_grad(
+    inner: Callable[..., Any], nums: tuple[int, ...], has_aux: bool, args: tuple, perturbs: Any
+) -> tuple[Any, tuple[Any, ...]]:
+    """``eqx.filter_value_and_grad`` over the ``nums`` arguments and the perturbations.
+
+    Equinox differentiates its first argument only, so that is ``(selected args, perturbs)``;
+    the gradients are laid out like ``jax.value_and_grad``'s over ``(*nums, perturbs)``.
+    """
+    import equinox as eqx
+
+    def diff_fn(diff: Any, *rest: Any) -> Any:
+        chosen, p = diff
+        it = iter(rest)
+        full = [chosen[nums.index(i)] if i in nums else next(it) for i in range(len(args))]
+        return inner(*full, p)
+
+    rest = [a for i, a in enumerate(args) if i not in nums]
+    diff = (tuple(args[n] for n in nums), perturbs)
+    value, (gs, gp) = eqx.filter_value_and_grad(diff_fn, has_aux=has_aux)(diff, *rest)
+    return value, (*gs, gp)
+
+
+def _discover(
+    fn: Any, where: Any, ops: tuple[Any, ...], mode: Any, args: tuple, kwargs: dict
+) -> tuple[list[Any], list[str]]:
+    """The records a capture of ``fn(*args)`` makes, as ``(key, spec, avals)``, abstractly; and
+    the keys in the order their first call started (the order ``hx.capture`` gives)."""
+    found: list[Any] = []
+    order: list[str] = []
+
+    def probe(*a: Any, **k: Any) -> Any:
+        s = _capture.session(WHO, where, fn, a, k, ops=ops)
+        s.run(fn, *a, **k)
+        found[:] = [(r.key, r.spec) for r in s.session.records]
+        order[:] = list(_capture.collect(s.session))
+        return [r.values for r in s.session.records]
+
+    shapes = eval_shape(probe, mode, args, kwargs)
+    return [(key, spec, avals) for (key, spec), avals in zip(found, shapes)], order
+
+
+def eval_shape(probe: Callable[..., Any], mode: Any, args: tuple, kwargs: dict) -> Any:
+    """``probe(*args, **kwargs)`` abstractly, through the framework's own ``eval_shape``
+    (``mode``: ``"equinox"``, true for NNX, false for plain JAX)."""
+    if mode == "equinox":
+        import equinox as eqx
+
+        return eqx.filter_eval_shape(probe, *args, **kwargs)
+    if mode:
+        from flax import nnx
+
+        return nnx.eval_shape(probe, *args, **kwargs)
+    return jax.eval_shape(probe, *args, **kwargs)
+
+
+def framework_mode(fn: Any, args: tuple, kwargs: dict) -> Any:
+    """How to run ``fn(*args)`` abstractly: ``"equinox"``, True (NNX) or False."""
+    if _is_nnx((args, kwargs, list(_capture.roots(fn)))):
+        return True
+    return "equinox" if _is_equinox((args, kwargs, list(_capture.roots(fn)))) else False
+
+
+def _zeros(records: list[Any]) -> list[list[Any]]:
+    return [
+        [
+            jnp.zeros(a.shape, a.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else None
+            for a in avals
+        ]
+        for _, _, avals in records
+    ]
+
+
+def value_and_grad(
+    fn: Callable[..., Any],
+    argnums: int | tuple[int, ...] = 0,
+    *,
+    where: Any = _capture._DEFAULT,
+    ops: Any = None,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any, dict[str, tuple[Any, ...]]]]:
+    """Like ``value_and_grad``, plus the gradient of the loss with respect to call-site outputs.
+
+    ``loss, grads, act_grads = hx.value_and_grad(loss_fn)(model, x, y)``. ``grads`` is what the
+    framework's own ``value_and_grad`` returns for ``argnums`` (``nnx.value_and_grad`` when an
+    argument holds an NNX module, ``eqx.filter_value_and_grad`` when a differentiated argument
+    holds an Equinox module, ``jax.value_and_grad`` otherwise, e.g. for Linen parameter dicts).
+    ``act_grads`` maps each selected call site's key to a tuple, one entry per call: d loss /
+    d (that call's output), with the output's structure (``None`` for integer outputs). No model
+    edits: costs at most what NNX's ``perturb`` costs, in time and memory
+    (``benchmarks/bench_capture.py``).
+
+    Works wherever :func:`hookax.capture` does, and the gradients are laid out like its values:
+    inside ``nnx.scan``/``lax.scan`` stacked on the scan axis, inside ``vmap`` with the batch
+    axis in front, inside ``jax.jit`` with the model as an argument; the active selection is part
+    of the jit cache key. Call sites whose derivative JAX cannot give (inside ``while_loop``, a
+    ``custom_jvp``/``custom_vjp`` function, or a ``shard_map`` body) raise
+    :class:`hx.HookaxError` naming the call site; exclude them with ``where=``.
+
+    ``ops=`` adds gradients with respect to operations inside call sites
+    (``act_grads["layers/0/attn:softmax"]``), addressed as :func:`hx.ops` lists them. An
+    operation inside a ``custom_jvp``/``custom_vjp`` function has no gradient of its own (JAX
+    differentiates the function by its rule): address the function instead.
+
+    Args:
+      fn: the loss function; returns a scalar, or ``(scalar, aux)`` with ``has_aux=True``.
+      argnums: which positional arguments ``grads`` is taken for.
+      where: which call sites; default every module's ``__call__``, or none when ``ops=`` is
+        given.
+      ops: operation addresses (``"layers/0/attn:softmax"``), or a list.
+      has_aux: whether ``fn`` returns ``(loss, aux)``.
+
+    Returns:
+      A function of ``fn``'s arguments returning ``(loss, grads, act_grads)``, or
+      ``((loss, aux), grads, act_grads)`` with ``has_aux=True``.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import hookax as hx
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> def loss_fn(model, x):
+    ...     return jnp.sum(model(x) ** 2)
+    >>> loss, grads, act_grads = hx.value_and_grad(loss_fn)(model, jnp.ones((3, 2)))
+    >>> bool(jnp.allclose(act_grads[""][0], 2 * model(jnp.ones((3, 2)))))
+    True
+    """
+    if not callable(fn):
+        raise HookaxError(
+            f"hx.value_and_grad expects a loss function, got {fn!r} of type "
+            f"{type(fn).__name__}. Fix: hx.value_and_grad(lambda model, x: model(x).sum())."
+        )
+    where, patterns = _capture.where_and_ops(where, ops, WHO)  # malformed ones raise here
+    nums = argnums if isinstance(argnums, tuple) else (argnums,)
+
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, dict[str, tuple[Any, ...]]]:
+        for n in nums:
+            if not isinstance(n, int) or not -len(args) <= n < len(args):
+                raise HookaxError(
+                    f"hx.value_and_grad: argnums={argnums!r} names no positional argument of "
+                    f"the {len(args)} given. Pass the model and data positionally: "
+                    f"hx.value_and_grad(loss_fn)(model, x, y)."
+                )
+        nnx_mode = _is_nnx((args, kwargs, list(_capture.roots(fn))))
+        nums_pos = tuple(n % len(args) for n in nums)
+        eqx_mode = not nnx_mode and _is_equinox([args[n] for n in nums_pos])
+        mode = "equinox" if eqx_mode else nnx_mode
+        records, order = _discover(fn, where, patterns, mode, args, kwargs)
+        perturbs = _zeros(records)
+        extra = len(args)
+
+        def inner(*a: Any) -> Any:
+            *fargs, p = a
+            s = _capture.session(WHO, where, fn, tuple(fargs), kwargs, "plant", p, patterns)
+            out = s.run(fn, *fargs, **kwargs)
+            if s.session.used != len(p):
+                key = records[s.session.used][0]
+                raise HookaxError(
+                    f"{WHO}: call site {key!r} ran fewer times while differentiating than when "
+                    f"its outputs were measured; its gradients would be wrong. The function must "
+                    f"call the same modules the same number of times for the same inputs."
+                )
+            return out
+
+        if eqx_mode:
+            value, g = _eqx_value_and_grad(inner, nums_pos, has_aux, args, perturbs)
+        else:
+            if nnx_mode:
+                from flax import nnx
+
+                vg = nnx.value_and_grad(inner, argnums=(*nums_pos, extra), has_aux=has_aux)
+            else:
+                vg = jax.value_and_grad(inner, argnums=(*nums_pos, extra), has_aux=has_aux)
+            value, g = vg(*args, perturbs)
+        grads = g[0] if not isinstance(argnums, tuple) else tuple(g[:-1])
+        act_grads: dict[str, list[Any]] = {k: [] for k in order}
+        for (key, spec, _), leaves in zip(records, g[-1]):
+            act_grads.setdefault(key, []).append(_tags.unwrap(spec.rebuild(list(leaves))))
+        return value, grads, {k: tuple(v) for k, v in act_grads.items()}
+
+    return wrapped

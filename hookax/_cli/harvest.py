@@ -1,0 +1,116 @@
+"""``hookax harvest``: activations of a model over random batches, into a store on disk.
+
+    hookax harvest --example transformer --where "layers/*/mlp" --batches 100 --out acts.zarr
+    hookax harvest mypkg.models:make_model --input "f32[32,784]" --where "**" --batches 10 --out a
+    hookax harvest model.py:make --input "i32[4,128]" --kw train=false --eval --out a
+
+The command line's model options (``add_model_arguments``: a factory, also a file's, or
+``--example``, ``--input``, ``--kw``, ``--eval``), model loading and error style
+(:mod:`hookax._cli.common`) are reused; this module only adds the subcommand's arguments and its
+run.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+__all__ = ["add_parser", "run"]
+
+HELP = "run a model over random batches and store chosen layers' outputs (zarr v3)"
+
+
+def add_parser(sub: Any) -> None:
+    from .common import add_model_arguments
+
+    c = sub.add_parser("harvest", help=HELP, description=HELP)
+    add_model_arguments(c)  # the factory or --example, --input, --kw, --eval
+    c.add_argument("--where", default=None, help='call sites to store: a path glob ("layers/*")')
+    c.add_argument("--batches", type=int, default=10, help="how many random batches")
+    c.add_argument("--out", required=True, help="the store's folder")
+    c.add_argument("--dtype", default=None, help="store floats as this dtype (bf16, f16, f32)")
+    c.add_argument("--row-axes", type=int, default=1, help="leading axes of each row (2: tokens)")
+    c.add_argument("--seed", type=int, default=0, help="seed of the random batches")
+    c.add_argument("--overwrite", action="store_true", help="replace what --out holds")
+    c.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> None:
+
+    from .._diagnostics.gradflow import random_inputs
+    from .._harvest.harvest import harvest
+    from .._util.errors import HookaxError
+    from .._util.specs import DTYPES
+    from . import common as _cli
+
+    if args.batches < 1:
+        raise _cli.UsageError(f"--batches takes an integer >= 1, got {args.batches}")
+    dtype = None
+    if args.dtype is not None:
+        if args.dtype not in DTYPES:
+            raise _cli.UsageError(
+                f"--dtype takes one of {', '.join(sorted(DTYPES))}, got {args.dtype!r}"
+            )
+        dtype = DTYPES[args.dtype]
+    loaded = _cli.load_nnx_or_equinox(args, "harvest runs")
+    model, specs = loaded.model, loaded.args
+    fn: Any = model
+    if loaded.kwargs:  # the same keyword arguments for every batch
+        kwargs = _cli._concrete_kwargs(loaded.kwargs, args.seed)
+        fn = _Call(model, kwargs)
+    batches = (random_inputs(specs, args.seed + i, loaded.int_high) for i in range(args.batches))
+    cli = {"input": [_spec(s) for s in specs], "seed": args.seed}
+    if args.kw:
+        cli["kw"] = list(args.kw)
+    if args.eval:
+        cli["eval"] = True
+    try:
+        h = harvest(
+            fn,
+            batches,
+            where=args.where,
+            store=args.out,
+            dtype=dtype,
+            row_axes=args.row_axes,
+            overwrite=args.overwrite,
+            metadata={"cli": cli},
+            progress=False if args.no_progress else None,
+        )
+    except HookaxError as e:
+        raise _cli.UsageError(_cli._first_line(e)) from None
+    except Exception as e:
+        raise _cli._rejected(e, loaded) from None
+    _report(h)
+
+
+class _Call:
+    """``model(*batch, **kwargs)``: a named callable (a store records what ran; a lambda's
+    name would do too, but says less)."""
+
+    def __init__(self, model: Any, kwargs: dict[str, Any]) -> None:
+        self.model, self.kwargs = model, kwargs
+
+    def __call__(self, *args: Any) -> Any:
+        return self.model(*args, **self.kwargs)
+
+
+def _spec(s: Any) -> str:
+    from .._util.specs import format_spec
+
+    return format_spec(tuple(s.shape), s.dtype)
+
+
+def _report(h: Any) -> None:
+    import json
+
+    meta = json.loads((h.store / "hookax.json").read_text())
+    width = max(len(n) for n in h.names)
+    for name in h.names:
+        a = meta["arrays"][name]
+        print(f"{name:<{width}}  {a['dtype']}[{h.rows},{','.join(map(str, a['shape']))}]")
+    rate = h.bytes / 1e6 / max(h.seconds, 1e-9)
+    resumed = f", resumed at batch {h.resumed_at}" if h.resumed_at else ""
+    print(
+        f"wrote {h.store}: {h.batches} batches, {h.rows:,} rows, {h.bytes / 1e6:.1f} MB in "
+        f"{h.seconds:.1f} s ({rate:.3g} MB/s{resumed})"
+    )

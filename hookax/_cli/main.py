@@ -1,0 +1,105 @@
+"""``hookax``: the command's entry point. Builds the parser from the registered subcommands
+(``summary`` and ``gradflow`` in :mod:`hookax._cli.common`, ``ops`` and ``harvest`` here, each run
+from its own module) and maps errors to one line and an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .common import COMMANDS, Command, UsageError, _Parser, register
+
+__all__ = ["main"]
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return f"hookax {metadata.version('hookax')}"
+    except metadata.PackageNotFoundError:  # pragma: no cover - a source tree that is not installed
+        return "hookax 0.0.0"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="hookax",
+        description="Summaries and gradient flow of JAX models (Flax NNX, Flax Linen, Equinox).",
+    )
+    p.add_argument("--version", action="version", version=_version())
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for command in COMMANDS.values():
+        if command.add_parser is not None:
+            command.add_parser(sub)
+            continue
+        c = sub.add_parser(command.name, help=command.help, description=command.help)
+        if command.add_arguments is not None:
+            command.add_arguments(c)
+    return p
+
+
+def _ops_arguments(c: argparse.ArgumentParser) -> None:
+    from .ops import add_arguments
+
+    add_arguments(c)
+
+
+def _ops(args: argparse.Namespace) -> None:
+    from .ops import run
+
+    run(args)
+
+
+register(
+    Command(
+        "ops",
+        "the operations inside each call site, with the addresses ops= takes",
+        _ops_arguments,
+        _ops,
+    )
+)
+
+
+def _harvest_parser(sub: Any) -> None:
+    from .harvest import add_parser
+
+    add_parser(sub)
+
+
+def _harvest(args: argparse.Namespace) -> None:
+    from .harvest import run
+
+    run(args)
+
+
+# hookax harvest: its arguments and its run live in _harvest_cli
+register(Command("harvest", "", None, _harvest, add_parser=_harvest_parser))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``hookax`` command; returns the exit code (0, or 2 for a usage mistake)."""
+    from .._util.extras import MissingExtraError, require
+
+    try:
+        args = _parser().parse_args(argv)
+        # Missing packages are named before any work (gradients are not computed for nothing).
+        if getattr(args, "example", None) is not None:
+            require("flax", "nnx", f"hookax {args.command} --example (the examples are Flax NNX)")
+        if args.command == "gradflow":
+            require("matplotlib", "plot", "hookax gradflow (it draws a chart)")
+        if args.command == "harvest":
+            require("tensorstore", "harvest", "hookax harvest (it writes a zarr store)")
+        COMMANDS[args.command].run(args)
+        sys.stdout.flush()
+    except (UsageError, MissingExtraError) as e:
+        print(f"hookax: error: {e}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `hookax summary ... | head`: the reader has what it wanted
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+    return 0

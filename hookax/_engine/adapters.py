@@ -1,0 +1,170 @@
+"""The registry of framework adapters: how each framework's modules become call sites.
+
+An adapter is loaded the first time hookax is used while its framework is imported, so
+``import hookax`` imports no framework. Each adapter provides:
+
+* ``install()``: make every module class's methods interceptable (once, never undone);
+* ``iter_modules(root)``: ``(path, module)`` pairs below ``root``;
+* ``aliases(module)``: ``module`` and the outer modules it stands for inside transforms;
+* ``root_done()``: called when the outermost call site on this thread returns.
+
+Optional: ``relative_path(root, module)`` (a path without walking the model, where modules know
+their own: Linen) and ``immutable`` (modules take only scoped hooks: Linen, Equinox).
+
+Adapters install when hookax is first used, or at ``import hookax`` for frameworks imported
+before it; Linen's also right after ``flax.linen`` is imported when hookax came first (an import
+hook), so what hookax does to ``nn.intercept_methods`` does not depend on import order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "StaleTraceWarning",
+    "adapter_for",
+    "ensure_installed",
+    "installed",
+    "key_linen_interceptors",
+]
+
+_LOCK = threading.RLock()  # re-entrant: installing one adapter may import another's framework
+_INSTALLED: dict[str, Any] = {}
+
+
+# adapter name -> (the framework's module that must be imported, its adapter in hookax.frameworks)
+_FRAMEWORKS: tuple[tuple[str, str, str], ...] = (
+    ("nnx", "flax.nnx", "_nnx"),
+    ("linen", "flax.linen", "_linen"),
+    ("equinox", "equinox", "_equinox"),
+)
+
+
+def ensure_installed(only: str | None = None) -> None:
+    """Install the adapter of every supported framework that is imported (cheap when done).
+
+    ``only`` names one adapter (``"linen"``) to install, if its framework is imported.
+    """
+    if len(_INSTALLED) == len(_FRAMEWORKS):
+        return
+    for name, framework, module in _FRAMEWORKS:
+        if only not in (None, name) or name in _INSTALLED or framework not in sys.modules:
+            continue
+        with _LOCK:
+            if name not in _INSTALLED:
+                import importlib
+
+                adapter = importlib.import_module(f"hookax.frameworks.{module}")
+                if not hasattr(adapter, "install"):
+                    # Still being imported (importing its framework ran the import hook):
+                    # installed by the next call.
+                    continue
+                adapter.install()
+                _INSTALLED[name] = adapter.ADAPTER
+
+
+def installed() -> dict[str, Any]:
+    return _INSTALLED
+
+
+def adapter_for(obj: Any) -> Any | None:
+    """The adapter whose framework ``obj`` is a module of, or None."""
+    ensure_installed()
+    for adapter in _INSTALLED.values():
+        if adapter.is_module(obj):
+            return adapter
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Linen's own interceptors: as Linen has them, unless the user opts in to cache keys.
+
+LINEN_KEYED = [False]  # read by the Linen adapter each time nn.intercept_methods is entered
+
+
+class StaleTraceWarning(UserWarning):
+    """An ``nn.intercept_methods`` block ended without its interceptor having been called.
+
+    Linen's interceptors are not part of the jit cache key, so this is what a jitted function
+    reusing a trace made without (or with another) interceptor looks like. Issued once per
+    interceptor function; see :func:`key_linen_interceptors`.
+    """
+
+
+def key_linen_interceptors(enabled: bool = True) -> bool:
+    """Make Linen's own ``nn.intercept_methods`` part of the jit cache key (process-wide).
+
+    By default hookax leaves ``nn.intercept_methods`` as Linen has it: a function jitted outside
+    a block is reused inside it without running the interceptor, and the other way round.
+    Opting in keys every jit cache, and JAX's eager per-operation caches, by the active Linen
+    interceptors, as ``hx.intercept`` always is: the same interceptor, or a function re-created
+    with the same code over the same objects, hits the caches; an interceptor that closes over a
+    new object each step (a fresh dict to collect activations) then retraces every jitted step
+    and recompiles every eager operation, and JAX's caches keep each step's object alive. Takes
+    effect for blocks entered afterwards, in any thread; works whether or not ``flax.linen`` is
+    imported yet.
+
+    Args:
+      enabled: True to key Linen's interceptors, False for Linen's own behaviour.
+
+    Returns:
+      The previous setting.
+
+    >>> import hookax as hx
+    >>> previous = hx.key_linen_interceptors()
+    >>> hx.key_linen_interceptors(previous)
+    True
+    """
+    previous, LINEN_KEYED[0] = LINEN_KEYED[0], bool(enabled)
+    if "flax.linen" in sys.modules:
+        ensure_installed(only="linen")
+    return previous
+
+
+class _InstallAfterImport(importlib.abc.MetaPathFinder):
+    """Installs the Linen adapter right after ``flax.linen`` is imported, then removes itself."""
+
+    NAME = "flax.linen"
+
+    def find_spec(self, name: str, path: Sequence[str] | None, target: Any = None) -> Any:
+        if name != self.NAME:
+            return None
+        finders = sys.meta_path[sys.meta_path.index(self) + 1 :] if self in sys.meta_path else []
+        for finder in finders:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        exec_module = getattr(loader, "exec_module", None)
+        if exec_module is None:
+            return spec
+
+        def exec_then_install(module: Any) -> None:
+            exec_module(module)
+            self.remove()
+            ensure_installed(only="linen")  # no other framework: hookax is not in use yet
+
+        loader.exec_module = exec_then_install  # this module's own loader object only
+        return spec
+
+    def remove(self) -> None:
+        with contextlib.suppress(ValueError):  # another thread removed it first
+            sys.meta_path.remove(self)
+
+
+def _watch_linen_import() -> None:
+    if "flax.linen" not in sys.modules and not any(
+        isinstance(f, _InstallAfterImport) for f in sys.meta_path
+    ):
+        sys.meta_path.insert(0, _InstallAfterImport())
+
+
+_watch_linen_import()

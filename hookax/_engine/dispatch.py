@@ -1,0 +1,134 @@
+"""The single function every intercepted module method call goes through.
+
+A framework adapter wraps module methods once; each wrapper checks that nothing is active on this
+thread and that no module carries hooks, and otherwise calls :func:`call`. ``call`` builds the
+call site's frame and context, runs the matching interceptors (outermost first), then the hooks
+and the method itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .._util import errors as _errors
+from . import context as _context
+
+__all__ = ["call"]
+
+_active = _context._ACTIVE_VALUE
+_trackers = _context.trackers
+
+
+def _describe(frame: _context.Frame) -> str:
+    return f"call site {frame.key!r} ({type(frame.module).__name__}.{frame.method})"
+
+
+def _name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+# Higher layers plug in here rather than being imported: the hooks layer replaces
+# ``run_method[0]`` (:mod:`hookax._hooks.hookrun`), and operations inside call sites set
+# ``site_scope[0]`` (:mod:`hookax._capture.ops`). ``import hookax`` installs both.
+def _plain(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    return fn(frame.module, *args, **kwargs)
+
+
+run_method: list[Callable[..., Any]] = [_plain]
+
+
+def _no_ops(frame: Any, ctx: Any, entries: list[Any], fn: Any) -> Any:
+    raise AssertionError("hookax: an ops= entry is active but hookax._capture.ops is not loaded")
+
+
+site_scope: list[Callable[..., Any]] = [_no_ops]
+
+
+def call(
+    fn: Callable[..., Any], method: str, module: Any, args: tuple, kwargs: dict, adapter: Any
+) -> Any:
+    """Run ``fn(module, *args, **kwargs)`` as the call site ``module.method``."""
+    stack = _context.call_stack()
+    parent = stack[-1] if stack else None
+    if parent is not None and parent.module is module and parent.method == method:
+        # super().method(...) from an overriding method: the same call site, seen once.
+        return fn(module, *args, **kwargs)
+    frame = _context.Frame(module, method, parent, adapter)
+    stack.append(frame)
+    try:
+        return _run(frame, fn, args, kwargs)
+    except BaseException as e:
+        _errors.add_note(e, f"hookax: raised in {_describe(frame)}")
+        raise
+    finally:
+        # Break frame -> context -> orig_method -> frame, so the call site's module, arguments and
+        # tracers die with the call instead of waiting for the cycle collector (Linen's and JAX's
+        # leak checkers disable it).
+        frame.context = None
+        stack.pop()
+        if not stack:
+            adapter.root_done()
+
+
+def _run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    run = run_method[0]
+
+    def inner(*a: Any, **k: Any) -> Any:
+        try:
+            return run(frame, fn, a, k)
+        except BaseException as e:
+            _errors.add_note(e, f"hookax: raised in {_describe(frame)}")
+            raise
+
+    entries = _active.value
+    if not entries:
+        return inner(*args, **kwargs)
+    ctx = frame.context = _context.Context(frame, inner)
+    chain = []
+    ops: list[Any] | None = None
+    tracking = _trackers()
+    for e in entries:
+        if e.kind == "intercept":
+            hit = e.selector.matches(ctx)
+            if hit:
+                chain.append(e)
+            if tracking:
+                _context.note_match(e, ctx, hit)
+        elif e.kind == "ops":
+            if ops is None:
+                ops = []
+            ops.append(e)
+            if tracking:
+                _context.note_match(e, ctx, e.selector.matches(ctx))
+    if ops is not None:
+        # Operations inside call sites: every call site gets its name-stack scope, and the
+        # method of one that an ops= pattern names runs under an OpTrace (``inner`` reads
+        # ``fn`` when it runs). Every ops entry sees every call site (for its error messages).
+        scope, fn = site_scope[0](frame, ctx, ops, fn)
+        with scope:
+            if not chain:
+                return inner(*args, **kwargs)
+            return _link(chain, 0, inner, ctx, frame)(*args, **kwargs)
+    if not chain:
+        return inner(*args, **kwargs)
+    return _link(chain, 0, inner, ctx, frame)(*args, **kwargs)
+
+
+def _link(
+    chain: list[Any], i: int, inner: Callable[..., Any], ctx: Any, frame: _context.Frame
+) -> Callable[..., Any]:
+    if i == len(chain):
+        return inner
+    interceptor = chain[i].fn
+
+    def next_fun(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return interceptor(_link(chain, i + 1, inner, ctx, frame), args, kwargs, ctx)
+        except BaseException as e:
+            _errors.add_note(
+                e, f"hookax: raised in interceptor {_name(interceptor)} at {_describe(frame)}"
+            )
+            raise
+
+    return next_fun

@@ -1,0 +1,397 @@
+"""Selectors: every ``where=`` form becomes one :class:`Selector`.
+
+A selector decides whether a call site (a :class:`~hookax.Context`) is picked. Selectors are
+immutable and compare by value, so the same ``where=`` always gives the same jit cache key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .._util.errors import SelectorError
+from .context import path_str
+
+if TYPE_CHECKING:
+    from .context import Context
+
+__all__ = ["Select", "Selector", "as_selector", "glob_to_regex"]
+
+ALL_METHODS = "*"
+CALL_ONLY: tuple[str, ...] = ("__call__",)
+
+
+class Selector:
+    """Base class of selectors; combine them with ``&``, ``|`` and ``~``."""
+
+    def matches(self, ctx: Context) -> bool:
+        raise NotImplementedError
+
+    def names_methods(self) -> bool:
+        """Whether this selector says which methods it picks (else a default applies)."""
+        return False
+
+    def needs_path(self) -> bool:
+        """Whether deciding needs the call site's path (which costs a walk of the model)."""
+        return False
+
+    def __and__(self, other: Any) -> Selector:
+        return _And(self, _coerce(other))
+
+    def __rand__(self, other: Any) -> Selector:
+        return _And(_coerce(other), self)
+
+    def __or__(self, other: Any) -> Selector:
+        return _Or(self, _coerce(other))
+
+    def __ror__(self, other: Any) -> Selector:
+        return _Or(_coerce(other), self)
+
+    def __invert__(self) -> Selector:
+        return _Not(self)
+
+
+@functools.lru_cache(maxsize=1024)
+def glob_to_regex(pattern: str) -> re.Pattern[str]:
+    """Compile a path glob: ``*`` stays within one segment, ``**`` spans any number of them.
+
+    >>> bool(glob_to_regex("**/mlp").fullmatch("mlp"))
+    True
+    >>> bool(glob_to_regex("layers/*/attn").fullmatch("layers/3/attn"))
+    True
+    >>> bool(glob_to_regex("layers/*").fullmatch("layers/3/attn"))
+    False
+    >>> bool(glob_to_regex("*").fullmatch(""))  # the root has no segment
+    False
+    """
+    segs = pattern.split("/")
+    out = ""
+    for i, seg in enumerate(segs):
+        if seg == "**":
+            out += ".*" if len(segs) == 1 else "(?:[^/]+/)*" if i == 0 else "(?:/[^/]+)*"
+            continue
+        sep = "/" if i > 0 and not (i == 1 and segs[0] == "**") else ""
+        body = "[^/]+" if seg == "*" else re.escape(seg).replace(r"\*", "[^/]*")
+        out += sep + body
+    return re.compile(out)
+
+
+_GLOB_BAD = re.compile(r"[\[\]?{}!]|\*\*\*|\*\*[^/]|[^/]\*\*|//|^/|/$")
+
+
+def check_glob(pattern: str) -> None:
+    """Refuse a path glob hookax would read differently from what its author meant.
+
+    Only ``*`` (within one segment) and ``**`` (a whole segment: any number of segments) are
+    special; ``[``, ``?``, ``{`` and empty segments are mistakes (fnmatch or regex habits).
+
+    >>> check_glob("layers/*/attn")
+    >>> check_glob("layers/[")
+    Traceback (most recent call last):
+    ...
+    hookax._util.errors.SelectorError: malformed path glob 'layers/[': ...
+    """
+    if pattern and _GLOB_BAD.search(pattern):
+        raise SelectorError(
+            f"malformed path glob {pattern!r}: hookax globs use '/' between path segments, '*' "
+            "for any part of one segment and '**' as a whole segment for any number of them; "
+            "'[', ']', '?', '{', '}', '!', '***' and empty segments are not allowed. Fix: e.g. "
+            "'layers/*/attn', '**/mlp' or 'layers/0'."
+        )
+
+
+def _as_tuple(x: Any) -> tuple[Any, ...] | None:
+    if x is None:
+        return None
+    return tuple(x) if isinstance(x, tuple | list) else (x,)
+
+
+@dataclasses.dataclass(frozen=True)
+class Select(Selector):
+    """A selector by module type, path glob and method name; all given parts must match.
+
+    Args:
+      types: a class or tuple of classes; the module must be an instance of one.
+      paths: a glob or tuple of globs over the path string (``"layers/*/attn"``, ``"**/mlp"``).
+      methods: a method name, a tuple of names, or ``"*"`` for every public method and
+        ``__call__``. Left out, the consumer's default applies (every method for
+        :func:`~hookax.intercept`, ``__call__`` for hooks and capture).
+
+    >>> import hookax as hx
+    >>> sel = hx.Select(paths="layers/*") & ~hx.Select(paths="layers/0")
+    >>> sel
+    (Select(paths=('layers/*',)) & ~Select(paths=('layers/0',)))
+    """
+
+    types: Any = None
+    paths: Any = None
+    methods: Any = None
+
+    def __post_init__(self) -> None:
+        types, paths, methods = _as_tuple(self.types), _as_tuple(self.paths), self.methods
+        if types is not None and not all(isinstance(t, type) for t in types):
+            raise SelectorError(
+                f"Select(types=...) takes a class or a tuple of classes, got {self.types!r}. "
+                "Fix: pass the module classes themselves, e.g. Select(types=nnx.Linear)."
+            )
+        if paths is not None and not all(isinstance(p, str) for p in paths):
+            raise SelectorError(
+                f"Select(paths=...) takes a glob string or a tuple of them, got {self.paths!r}. "
+                'Fix: Select(paths="layers/*/attn").'
+            )
+        for p in paths or ():
+            check_glob(p)
+        if methods is not None and methods != ALL_METHODS:
+            methods = _as_tuple(methods)
+            if not all(isinstance(m, str) for m in methods or ()):
+                raise SelectorError(
+                    f"Select(methods=...) takes a method name, a tuple of names or '*', "
+                    f"got {self.methods!r}. Fix: Select(methods=('__call__', 'encode'))."
+                )
+        object.__setattr__(self, "types", types)
+        object.__setattr__(self, "paths", paths)
+        object.__setattr__(self, "methods", methods)
+
+    def __repr__(self) -> str:
+        parts = [f"{f}={getattr(self, f)!r}" for f in ("types", "paths", "methods")]
+        return "Select(" + ", ".join(p for p in parts if not p.endswith("=None")) + ")"
+
+    def matches(self, ctx: Context) -> bool:
+        if self.methods is not None and not method_matches(self.methods, ctx.method):
+            return False
+        if self.types is not None and not isinstance(ctx.module, self.types):
+            return False
+        if self.paths is not None:
+            s = ctx.path_str
+            return any(glob_to_regex(p).fullmatch(s) for p in self.paths)
+        return True
+
+    def names_methods(self) -> bool:
+        return self.methods is not None
+
+    def needs_path(self) -> bool:
+        return self.paths is not None
+
+
+def method_matches(methods: tuple[str, ...] | str, method: str) -> bool:
+    if methods == ALL_METHODS:
+        return True
+    return method in methods
+
+
+@dataclasses.dataclass(frozen=True)
+class _Predicate(Selector):
+    fn: Callable[[Context], bool]
+
+    def matches(self, ctx: Context) -> bool:
+        return bool(self.fn(ctx))
+
+    def needs_path(self) -> bool:
+        return True  # a callable may read ctx.path
+
+    def __repr__(self) -> str:
+        return f"<predicate {getattr(self.fn, '__qualname__', self.fn)!r}>"
+
+
+@dataclasses.dataclass(frozen=True)
+class _And(Selector):
+    a: Selector
+    b: Selector
+
+    def matches(self, ctx: Context) -> bool:
+        return self.a.matches(ctx) and self.b.matches(ctx)
+
+    def names_methods(self) -> bool:
+        return self.a.names_methods() or self.b.names_methods()
+
+    def needs_path(self) -> bool:
+        return self.a.needs_path() or self.b.needs_path()
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} & {self.b!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Or(Selector):
+    a: Selector
+    b: Selector
+
+    def matches(self, ctx: Context) -> bool:
+        return self.a.matches(ctx) or self.b.matches(ctx)
+
+    def names_methods(self) -> bool:
+        return self.a.names_methods() or self.b.names_methods()
+
+    def needs_path(self) -> bool:
+        return self.a.needs_path() or self.b.needs_path()
+
+    def __repr__(self) -> str:
+        return f"({self.a!r} | {self.b!r})"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Not(Selector):
+    a: Selector
+
+    def matches(self, ctx: Context) -> bool:
+        return not self.a.matches(ctx)
+
+    def names_methods(self) -> bool:
+        return self.a.names_methods()
+
+    def needs_path(self) -> bool:
+        return self.a.needs_path()
+
+    def __repr__(self) -> str:
+        return f"~{self.a!r}"
+
+
+@dataclasses.dataclass(frozen=True)
+class _WithMethods(Selector):
+    """A selector plus the consumer's default methods (applied when it names none)."""
+
+    inner: Selector | None
+    methods: tuple[str, ...] | str
+
+    def matches(self, ctx: Context) -> bool:
+        if not method_matches(self.methods, ctx.method):
+            return False
+        return self.inner is None or self.inner.matches(ctx)
+
+    def needs_path(self) -> bool:
+        return self.inner is not None and self.inner.needs_path()
+
+    def __repr__(self) -> str:
+        return f"{self.inner!r} (methods {self.methods!r})"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Instance(Selector):
+    """One module instance (and the copies an NNX transform makes of it inside its body)."""
+
+    module: Any
+
+    def matches(self, ctx: Context) -> bool:
+        adapter = ctx._frame.adapter
+        aliases = getattr(adapter, "aliases", None)
+        if aliases is None:
+            return ctx.module is self.module
+        return any(m is self.module for m in aliases(ctx.module))
+
+    def __repr__(self) -> str:
+        return f"<{type(self.module).__name__} instance at {id(self.module):#x}>"
+
+
+def _is_module(obj: Any) -> bool:
+    from . import adapters as frameworks
+
+    return not isinstance(obj, type) and frameworks.adapter_for(obj) is not None
+
+
+def _coerce(where: Any) -> Selector:
+    if isinstance(where, Selector):
+        return where
+    if isinstance(where, list) and where and all(isinstance(t, type) for t in where):
+        where = tuple(where)
+    if isinstance(where, type) or (
+        isinstance(where, tuple) and where and all(isinstance(t, type) for t in where)
+    ):
+        return Select(types=where)
+    if _is_module(where):
+        return _Instance(where)
+    if isinstance(where, str):
+        return Select(paths=where)
+    if callable(where):
+        return _Predicate(where)
+    raise SelectorError(
+        f"where= must be None, a class or tuple of classes, a path glob string, a callable "
+        f"(ctx) -> bool, or hx.Select(...); got {where!r} of type {type(where).__name__}. "
+        'Fix: e.g. where=nnx.Linear, where="layers/*/attn" or where=hx.Select(methods="encode").'
+    )
+
+
+def as_selector(where: Any, default_methods: tuple[str, ...] | str) -> Selector:
+    """Turn any ``where=`` form into a selector; the default methods apply unless it names some.
+
+    >>> as_selector(None, ("__call__",))
+    None (methods ('__call__',))
+    """
+    if where is None:
+        return _WithMethods(None, default_methods)
+    sel = _coerce(where)
+    if sel.names_methods():
+        return sel
+    return _WithMethods(sel, default_methods)
+
+
+def _globs(sel: Any) -> list[str]:
+    """The path globs a selector requires to match (not those under ``~``)."""
+    if isinstance(sel, Select):
+        return list(sel.paths or ())
+    if isinstance(sel, _And | _Or):
+        return _globs(sel.a) + _globs(sel.b)
+    if isinstance(sel, _WithMethods):
+        return _globs(sel.inner)
+    return []
+
+
+def resolve_instances(where: Any, objs: Any) -> Any:
+    """``where=`` with a module instance turned into its path below a module in ``objs``.
+
+    Inside ``jax.jit`` a module passed as an argument is rebuilt, so identity cannot select it;
+    its path can. An instance not found below ``objs`` stays an identity selector.
+    """
+    if not _is_module(where):
+        return where
+    import jax
+
+    from . import adapters as frameworks
+
+    leaves = jax.tree.leaves(objs, is_leaf=_is_module)
+    for leaf in leaves:
+        adapter = frameworks.adapter_for(leaf)
+        if adapter is None or not hasattr(adapter, "iter_modules"):
+            continue
+        for path, m in adapter.iter_modules(leaf):
+            if m is where:
+                return Select(types=type(where), paths=path_str(path) or "")
+    return where
+
+
+def check_matched(who: str, where: Any, selector: Selector, session: Any) -> None:
+    """Raise :class:`SelectorError` when ``where=`` selected nothing that ran, or a glob matched
+    nothing, naming the nearest call sites that did run."""
+    seen = sorted(session.seen)
+    if not session.matched and not getattr(session, "records", None):
+        if not seen:
+            if where is None:
+                raise SelectorError(
+                    f"{who}: the function called no module, so there is nothing to capture. "
+                    f"Fix: pass the model, or a function that calls it: {who}(model)(x)."
+                )
+            return  # the Python did not run (a cached trace): the first call checked it
+        raise SelectorError(
+            f"{who}(where={where!r}) matched no call site; those that ran include "
+            f"{_nearest(str(where), seen)}. Fix: pass a where= that matches one of them."
+        )
+    if not seen:
+        return
+    paths = {p for _, p in seen}
+    for glob in _globs(selector):
+        rx = glob_to_regex(glob)
+        if not any(rx.fullmatch(p) for p in paths):
+            raise SelectorError(
+                f"{who}(where={where!r}): the path glob {glob!r} matched no call site; those "
+                f"that ran include {_nearest(glob, seen)}. Fix: correct the path."
+            )
+
+
+def _nearest(target: str, seen: list[tuple[str, str]]) -> str:
+    import difflib
+
+    keys = [k for k, _ in seen]
+    near = difflib.get_close_matches(target, keys, n=6, cutoff=0.0) or keys[:6]
+    return ", ".join(repr(k) for k in near)

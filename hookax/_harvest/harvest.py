@@ -1,0 +1,328 @@
+"""``hx.harvest``: captured activations of many batches, appended to an on-disk array store.
+
+The pieces: :mod:`hookax._harvest.step` (the jitted step on the device),
+:mod:`hookax._harvest.write` (the writer thread), :mod:`hookax._harvest.store` (the zarr v3 layout
+and its commit protocol, and why TensorStore writes it). This module runs the loop and reports.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from .._capture.capture import _DEFAULT, where_and_ops
+from .._util.errors import HookaxError
+
+__all__ = ["Harvest", "harvest"]
+
+BATCHES_PER_CHUNK = 64  # one process: a chunk holds up to this many batches (up to 16 MB)
+
+
+@dataclasses.dataclass(frozen=True)
+class Harvest:
+    """What a :func:`harvest` run left in its store, and how long it took.
+
+    Attributes:
+      store: the store's folder.
+      names: the stored values' names (call-site keys; ``key#i`` for the i-th of several calls,
+        ``key[i]`` for layer i of a call site inside a scan over layers, ``key[0]`` for parts
+        of a tuple output: ``key#call[layer][part]``).
+      batches: batches in the store.
+      rows: rows in each stored array.
+      resumed_at: the first batch this run computed (0 unless it resumed an interrupted run).
+      bytes: bytes of rows this process wrote.
+      seconds: wall time of the run.
+    """
+
+    store: Path
+    names: tuple[str, ...]
+    batches: int
+    rows: int
+    resumed_at: int
+    bytes: int
+    seconds: float
+
+    def read(self, name: str) -> Any:
+        """The rows stored for ``name``, as a numpy array ``(rows, *per-row shape)``."""
+        return read(self.store, name)
+
+    def source(self) -> Any:
+        """int64 ``(rows, 1 + row_axes)``: each row's batch index and position in the batch."""
+        return read(self.store, "_source")
+
+
+def read(store: str | Path, name: str) -> Any:
+    """The committed rows of ``name`` in ``store`` (``"_source"`` for the rows' sources)."""
+    import json
+
+    from .store import META, Store
+
+    path = Path(store)
+    meta = json.loads((path / META).read_text())
+    if name not in meta["arrays"] and name not in ("_source", "_batch_end"):
+        raise HookaxError(
+            f"hx.harvest: the store {str(path)!r} holds no {name!r}; it holds "
+            f"{', '.join(map(repr, meta['arrays']))}."
+        )
+    s = Store(path, meta, 0)
+    s.open()
+    batches = s.committed()
+    rows = s.rows_before(batches)
+    n = batches if name == "_batch_end" else rows
+    return s.arrays[name][:n].read().result()
+
+
+def _describe_fn(fn: Any) -> str:
+    kind = fn if isinstance(fn, type) else type(fn)
+    if hasattr(fn, "__qualname__") and not hasattr(fn, "__self__"):
+        return f"{getattr(fn, '__module__', '?')}.{fn.__qualname__}"
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _describe_where(where: Any) -> str:
+    """A form of ``where=`` that is the same in every run (no addresses)."""
+    if where is None or isinstance(where, str):
+        return repr(where)
+    if isinstance(where, type):
+        return f"{where.__module__}.{where.__qualname__}"
+    if isinstance(where, tuple):
+        return "(" + ", ".join(_describe_where(w) for w in where) + ")"
+    if callable(where) and hasattr(where, "__qualname__"):
+        return _describe_fn(where)
+    return repr(where)
+
+
+def _barrier(name: str) -> None:
+    import jax
+
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(f"hookax.harvest.{name}")
+
+
+def harvest(
+    fn: Callable[..., Any],
+    batches: Iterable[Any],
+    *,
+    where: Any = _DEFAULT,
+    ops: Any = None,
+    store: str | Path,
+    dtype: Any = None,
+    mask: Callable[..., Any] | None = None,
+    row_axes: int = 1,
+    overwrite: bool = False,
+    metadata: Any = None,
+    progress: bool | None = None,
+    overlap: bool = True,
+    queue_size: int = 2,
+    fsync: bool = False,
+) -> Harvest:
+    """Run ``fn`` over ``batches`` under jit and append the selected call sites' outputs to disk.
+
+    Each batch is ``fn``'s positional arguments (a tuple, or one value). Every captured output
+    (as :func:`hookax.capture` returns it) becomes one zarr v3 array in ``store``, named by its
+    call-site key, with one *row* per entry of its leading ``row_axes`` axes: a ``(batch, seq,
+    d)`` output with ``row_axes=2`` gives ``batch * seq`` rows of ``d`` values. A call site
+    inside ``nnx.scan``/``lax.scan`` over layers, whose captured value is stacked ``(layers,
+    batch, ...)``, gives one array per layer, ``key[i]``, with the same rows. Rows of later
+    batches are appended after earlier ones; ``_source`` records each row's batch and position.
+
+    Writing overlaps computing: the host copy of a batch starts as soon as its step is
+    dispatched, and a writer thread writes it while the next batches compute. Values sharded over
+    devices are written shard by shard by the process that holds them; with several JAX
+    processes (``jax.distributed``) every process runs ``harvest`` with the same arguments and
+    writes its own shards into the same store.
+
+    An interrupted run resumes: run again with the same arguments and it skips the batches
+    already committed and ends with the same store as an uninterrupted run. A store written by
+    another model, ``where=``, ``dtype=`` or ``mask=`` is refused (``overwrite=True`` replaces
+    it). A run over a complete store appends the batches after the ones it already holds.
+
+    Args:
+      fn: an NNX module (jitted with ``nnx.jit``, the module passed as an argument) or any
+        function calling modules (jitted with ``jax.jit``).
+      batches: an iterable of batches; iterated once.
+      where: which call sites (as :func:`hookax.capture`); default every module's ``__call__``,
+        or none when ``ops=`` is given.
+      ops: operations inside call sites (as :func:`hookax.capture`'s ``ops=``:
+        ``"layers/*/attn:softmax"``), stored like call-site outputs under their addresses.
+      store: the store's folder.
+      dtype: store floating outputs in this dtype (cast on the device: ``jnp.bfloat16`` halves
+        the bytes moved and written); default their own dtype. Integer outputs keep theirs.
+      mask: ``mask(*batch) -> bool array`` of the row axes' shape: rows where it is False
+        (padding) are not stored. Computed inside the jitted step.
+      row_axes: how many leading axes of each output are rows (``mask``'s number of axes).
+      overwrite: delete what ``store`` holds first.
+      metadata: JSON-serialisable data kept in the store's ``hookax.json`` (part of what a resumed
+        run must match).
+      progress: show a progress bar (rows, MB/s; needs ``rich``); default when stderr is a
+        terminal. Only process 0 shows it.
+      overlap: write on a thread while the next batches compute (``False``: write each batch
+        before computing the next; for measuring).
+      queue_size: batches that may wait for the writer (each holds its outputs in memory).
+      fsync: sync every chunk and counter to the disk before committing. Without it a killed
+        process still resumes exactly (the operating system keeps what it wrote); with it, so
+        does a machine that loses power, at several times the cost per byte.
+
+    Returns:
+      A :class:`Harvest` with the store's counts; ``.read(name)`` loads an array.
+
+    Raises:
+      HookaxError: the store holds another harvest; an output whose leading axes are not the
+        batch's rows; a write failed (the store stays valid: rerun to resume).
+
+    >>> import tempfile
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import hookax as hx
+    >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu)
+    >>> data = [jnp.full((2, 4), float(i)) for i in range(3)]
+    >>> store = tempfile.mkdtemp() + "/acts"
+    >>> h = hx.harvest(model, data, where="layers/0", store=store, dtype=jnp.bfloat16)
+    >>> h.rows, h.read("layers/0").shape, str(h.read("layers/0").dtype)
+    (6, (6, 8), 'bfloat16')
+    """
+    t0 = time.perf_counter()
+    import jax
+
+    from .step import Step, as_args, leaf_specs
+    from .store import META, Store, describe, import_tensorstore
+    from .write import Writer, start_transfers
+
+    import_tensorstore()
+    if row_axes < 1:
+        raise HookaxError(f"hx.harvest: row_axes must be at least 1, got {row_axes}")
+    path = Path(store)
+    it = iter(batches)
+    first = next(it, None)
+    if first is None:
+        raise HookaxError("hx.harvest: batches is empty: there is nothing to harvest.")
+    where, patterns = where_and_ops(where, ops, "hx.harvest")
+    step = Step.cached(fn, where, patterns, dtype, mask, row_axes, as_args(first))
+    early = None
+    if overwrite or not (path / META).exists():  # a new store: batch 0 computes meanwhile
+        early = step(*as_args(first))
+        start_transfers(*early)
+    values, m = early if early is not None else step.shapes(*as_args(first))
+    leaves, rows_shape = leaf_specs(step, values, m, row_axes, mask is not None)
+    if not leaves:
+        raise HookaxError(
+            f"hx.harvest: the selected call sites (where={where!r}) returned no arrays: there "
+            f"is nothing to store. Fix: a where= that matches call sites returning arrays; "
+            f"`hookax summary` lists the keys of a model's call sites."
+        )
+    desc = describe(
+        leaves,
+        model=_describe_fn(fn),
+        where=_describe_where(where) + (f" ops={[p.text for p in patterns]!r}" if patterns else ""),
+        row_axes=row_axes,
+        masked=mask is not None,
+        user=metadata,
+    )
+    process, processes = jax.process_index(), jax.process_count()
+    batch_rows = int(math.prod(rows_shape))
+    Store.prepare(
+        path,
+        desc,
+        overwrite=overwrite,
+        create=process == 0,
+        batch_rows=batch_rows,
+        batches_per_chunk=1 if processes > 1 else BATCHES_PER_CHUNK,
+    )
+    _barrier("created")
+    Store.prepare(path, desc, overwrite=False, create=False)  # every process checks it
+    import json
+
+    s = Store(path, json.loads((path / META).read_text()), process, fsync)
+    s.open()
+    start = s.committed()
+    s.commit(start)
+    _barrier("resumed")
+    if process == 0:
+        s.drop_other_progress(processes)
+    show = sys.stderr.isatty() if progress is None else progress
+    bar = _Progress(show and process == 0)
+    leaf_map = {leaf.name: leaf for leaf in leaves}
+    base = s.rows_before(start)
+    writer = Writer(s, leaf_map, row_axes, base, bar, direct=processes == 1, batches=start)
+    if overlap:
+        writer.start(queue_size)
+    count = 0
+    with bar:
+        try:
+            for i, batch in enumerate(itertools.chain([first], it)):
+                count = i + 1
+                if i < start:
+                    continue
+                if i == 0 and early is not None:
+                    values, m = early
+                else:
+                    values, m = step(*as_args(batch))
+                    start_transfers(values, m)
+                early = None
+                writer.put((i, values, m))
+        except BaseException:
+            with contextlib.suppress(Exception):  # commit what was handed over, then re-raise
+                writer.close()
+            s.close()
+            raise
+        try:
+            writer.close()
+        finally:
+            s.close()
+    _barrier("written")
+    batches_done, rows = max(count, start), writer.rows
+    if process == 0:
+        s.finish(batches_done, rows)
+    _barrier("finished")
+    return Harvest(
+        path,
+        tuple(leaf.name for leaf in leaves),
+        batches_done,
+        rows,
+        start,
+        writer.bytes,
+        time.perf_counter() - t0,
+    )
+
+
+class _Progress:
+    """A rich progress bar of batches, rows and MB/s; nothing when off."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+        self._bar: Any = None
+        self._t0 = time.perf_counter()
+
+    def __enter__(self) -> _Progress:
+        if self.on:
+            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(
+                SpinnerColumn(),
+                TextColumn("harvest: batch {task.completed}"),
+                TextColumn("{task.fields[rows]:,} rows"),
+                TextColumn("{task.fields[mbs]:.1f} MB/s"),
+                TimeElapsedColumn(),
+                transient=False,
+            )
+            self._bar.start()
+            self._task = self._bar.add_task("harvest", total=None, rows=0, mbs=0.0)
+        return self
+
+    def __call__(self, batches: int, rows: int, written: int) -> None:
+        if self._bar is not None:
+            mbs = written / 1e6 / max(time.perf_counter() - self._t0, 1e-9)
+            self._bar.update(self._task, completed=batches, rows=rows, mbs=mbs)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.stop()

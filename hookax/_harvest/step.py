@@ -1,0 +1,267 @@
+"""The device side of ``hx.harvest``: one jitted step per batch, and the arrays it produces.
+
+The step runs a capture session under jit (``hx.capture``'s, whose records also say how many
+leading axes scans stacked on each value), casts floating outputs to the store's
+dtype on the device (so ``bfloat16`` also halves the bytes moved to the host), flattens every
+captured output into named leaves (one stored array each) and computes the batch's row mask. An
+NNX module is passed to ``nnx.jit`` as an argument (its parameters are not baked into the
+program); any other function is jitted with ``jax.jit``, closing over the modules it calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._capture.actgrad import is_nnx_module
+from .._util.errors import HookaxError
+
+__all__ = ["Leaf", "Origin", "Step", "as_args", "leaf_specs", "replication", "row_shape"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+    """One stored array: which call site, which call, which layer, which part of the output."""
+
+    name: str  # what users index the store with: "layers/0", "attn#1", "pair[0]", "blocks/mlp[3]"
+    key: str  # the call site's key
+    call: int  # which call of that call site
+    part: str  # jax.tree_util.keystr of the leaf inside the output ("" for an array output)
+    shape: tuple[int, ...]  # per-row shape (the value's shape after the row axes)
+    dtype: str  # stored dtype
+    source: str = ""  # the step's output holding it (its name, without the layer index)
+    index: tuple[int, ...] = ()  # its position on the leading scan axes of that output
+
+    def describe(self) -> dict[str, Any]:
+        out = {
+            "key": self.key,
+            "call": self.call,
+            "part": self.part,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+        }
+        if self.index:
+            out["layer"] = list(self.index)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Origin:
+    """Where a step output comes from; ``scans``: how many leading axes scans stacked on it."""
+
+    key: str
+    call: int
+    part: str
+    scans: int
+
+
+def as_args(batch: Any) -> tuple[Any, ...]:
+    """A batch as the positional arguments of ``fn``: a tuple as it is, anything else alone."""
+    return batch if isinstance(batch, tuple) else (batch,)
+
+
+def _scans(axes: tuple[tuple[str, Any], ...]) -> int:
+    """How many leading axes of a captured value scans stacked on it (``axes`` innermost
+    first, as :class:`hookax._transforms.tags.Record` keeps them; ``cond`` and ``while`` add
+    none). Only the outermost run of scans counts: a ``shard_map`` axis is not a layer axis."""
+    n = 0
+    for kind, _ in reversed(axes):
+        if kind in ("cond", "while"):
+            continue
+        if kind != "scan":
+            break
+        n += 1
+    return n
+
+
+def _outputs(
+    f: Any, where: Any, ops: tuple[Any, ...], args: tuple[Any, ...]
+) -> list[tuple[str, Origin, Any]]:
+    """``(name, origin, value)`` for every array leaf of every selected call's output, as
+    :func:`hookax.capture` collects them, and how many scan axes lead each."""
+    from .._capture.capture import session
+
+    s = session("hx.harvest", where, f, args, {}, ops=ops)
+    s.run(f, *args)
+    calls: dict[str, list[Any]] = {k: [] for k in s.session.starts}
+    for r in s.session.records:
+        calls.setdefault(r.key, []).append(r)
+    out = []
+    for key, records in calls.items():
+        for call, r in enumerate(records):
+            for path, leaf in jax.tree_util.tree_flatten_with_path(r.output())[0]:
+                part = jax.tree_util.keystr(path)
+                name = key + (f"#{call}" if len(records) > 1 else "") + part
+                out.append((name, Origin(key, call, part, _scans(r.axes)), leaf))
+    return out
+
+
+def row_shape(shapes: list[tuple[tuple[int, ...], int]], row_axes: int) -> tuple[int, ...]:
+    """The batch's rows without a mask: the leading ``row_axes`` axes of the first value that
+    no scan stacked, or else of the first value after its scan axes."""
+    for shape, scans in shapes:
+        if not scans:
+            return shape[:row_axes]
+    shape, scans = shapes[0]
+    return shape[scans : scans + row_axes]
+
+
+def _cast(x: Any, dtype: Any) -> Any:
+    if dtype is None or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return x.astype(dtype)
+
+
+def replication(args: tuple[Any, ...]) -> Any:
+    """With several processes, a sharding that puts a value whole on every device of the
+    batch's mesh (every process then holds the whole row mask); None with one process."""
+    if jax.process_count() == 1:
+        return None
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return NamedSharding(sharding.mesh, PartitionSpec())
+    raise HookaxError(
+        f"hx.harvest: with {jax.process_count()} JAX processes every batch must hold global "
+        "jax.Arrays with a NamedSharding (the mesh the step runs on), got "
+        f"{[type(x).__name__ for x in jax.tree.leaves(args)]}. Fix: build each batch with "
+        "jax.make_array_from_process_local_data(NamedSharding(mesh, P('data')), local_rows)."
+    )
+
+
+class Step:
+    """The jitted step: ``step(*args) -> ({name: value}, row mask)``.
+
+    ``origin`` maps each name to ``(key, call, part)``; it is filled while the step traces.
+    """
+
+    def __init__(
+        self,
+        fn: Any,
+        where: Any,
+        ops: tuple[Any, ...],
+        dtype: Any,
+        mask: Callable[..., Any] | None,
+        row_axes: int,
+        first: tuple[Any, ...],
+    ) -> None:
+        self.origin: dict[str, Origin] = {}
+        whole = replication(first)
+
+        def body(f: Any, *args: Any) -> tuple[dict[str, Any], Any]:
+            values = {}
+            for name, origin, v in _outputs(f, where, ops, args):
+                self.origin[name] = origin
+                values[name] = _cast(v, dtype)
+            if mask is None:
+                shapes = [(v.shape, self.origin[n].scans) for n, v in values.items()]
+                m = jnp.ones(row_shape(shapes, row_axes) if shapes else (), bool)
+            else:
+                m = jnp.asarray(mask(*args), bool)
+            return values, m if whole is None else jax.lax.with_sharding_constraint(m, whole)
+
+        if is_nnx_module(fn):
+            from flax import nnx
+
+            jitted = nnx.jit(body)
+            self._run: Callable[..., Any] = lambda *args: jitted(fn, *args)
+            self._shapes: Callable[..., Any] = lambda *args: nnx.eval_shape(body, fn, *args)
+        else:
+            self._run = jax.jit(lambda *args: body(fn, *args))
+            self._shapes = lambda *args: jax.eval_shape(self._run, *args)
+
+    @classmethod
+    def cached(
+        cls,
+        fn: Any,
+        where: Any,
+        ops: tuple[Any, ...],
+        dtype: Any,
+        mask: Callable[..., Any] | None,
+        row_axes: int,
+        first: tuple[Any, ...],
+    ) -> Step:
+        """The step of an earlier run with the same arguments (its compilations kept), or a
+        new one. Objects are compared by identity, and kept alive by the cache."""
+        from .._capture.capture import _NO_SITES
+        from .._engine.select import CALL_ONLY, as_selector
+
+        # compares by value
+        selector = where if where is _NO_SITES else as_selector(where, CALL_ONLY)
+        key = (id(fn), selector, ops, str(dtype), id(mask), row_axes, replication(first))
+        hit = _CACHE.get(key)
+        if hit is not None and hit[0] is fn and hit[1] is mask:
+            return hit[2]
+        step = cls(fn, where, ops, dtype, mask, row_axes, first)
+        _CACHE[key] = (fn, mask, step)
+        while len(_CACHE) > 4:
+            del _CACHE[next(iter(_CACHE))]
+        return step
+
+    def __call__(self, *args: Any) -> tuple[dict[str, Any], Any]:
+        return self._run(*args)
+
+    def shapes(self, *args: Any) -> tuple[dict[str, Any], Any]:
+        """Abstract outputs (shapes and dtypes) for these arguments; computes nothing."""
+        return self._shapes(*args)
+
+
+_CACHE: dict[Any, tuple[Any, Any, Step]] = {}
+
+
+def leaf_specs(
+    step: Step, values: dict[str, Any], m: Any, row_axes: int, masked: bool
+) -> tuple[list[Leaf], tuple[int, ...]]:
+    """The stored arrays of ``step``'s outputs ``values`` and row mask ``m`` (arrays, or their
+    shapes from :meth:`Step.shapes`) and the batch's row shape; checks that every value leads
+    with the row axes.
+
+    A value that scans stacked (a call site inside ``nnx.scan``/``lax.scan`` over layers:
+    ``(layers, *rows, ...)``) is stored as one array per layer, ``name[i]`` (``name[i][j]``
+    under two scans): each layer's rows are contiguous in the value, and a layer is what
+    sparse autoencoders train on.
+    """
+    rows = tuple(m.shape)
+    if masked and len(rows) != row_axes:
+        raise HookaxError(
+            f"hx.harvest: mask= returned a {len(rows)}-d mask of shape {rows}, but "
+            f"row_axes={row_axes}. The mask has one entry per stored row: its shape is the "
+            f"leading row_axes axes of every captured value. Fix: row_axes={len(rows)}."
+        )
+    leaves: list[Leaf] = []
+    for source, v in values.items():
+        o = step.origin[source]
+        shape = tuple(v.shape)
+        k = o.scans if shape[o.scans : o.scans + row_axes] == rows else 0
+        if shape[k : k + row_axes] != rows or len(shape) < k + row_axes:
+            stacked = f" after its {o.scans} leading scan axes" if o.scans else ""
+            raise HookaxError(
+                f"hx.harvest: call site output {source!r} has shape {shape}, whose leading "
+                f"{row_axes} axes{stacked} are not the batch's rows {rows} (row_axes={row_axes}"
+                f"{', from the mask' if masked else ', from the first output'}). Every stored "
+                f"value must lead with the same row axes. Fix: select only call sites whose "
+                f"outputs lead with the batch axes (where=...), or set row_axes= to match."
+            )
+        per_row = shape[k + row_axes :]
+        for index in itertools.product(*map(range, shape[:k])):
+            at = "".join(f"[{i}]" for i in index)
+            name = o.key + (source[len(o.key) :].removesuffix(o.part)) + at + o.part
+            leaves.append(
+                Leaf(name, o.key, o.call, o.part, per_row, str(v.dtype), source, tuple(index))
+            )
+    names = [leaf.name for leaf in leaves]
+    for name in names:
+        if names.count(name) > 1:
+            raise HookaxError(
+                f"hx.harvest: two stored values would be named {name!r} (a layer of a scanned "
+                f"call site and a part of an output of the same key). Fix: select only one of "
+                f"them with where=."
+            )
+    return leaves, rows

@@ -1,0 +1,166 @@
+"""Rendering a summary as a ``rich`` table, plain text or Markdown (rich is imported lazily).
+
+This module reads a summary's fields and imports nothing of :mod:`hookax._summary.summary`, which
+imports it: the dependency goes one way.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+__all__ = ["caption", "compact", "human_bytes", "markdown", "render", "renderable", "table"]
+
+_HEADERS = ("Call site", "Type", "Inputs", "Outputs", "Params", "FLOPs", "VJP FLOPs")
+
+
+def compact(n: float | None, unit: str = "") -> str:
+    """A number with an SI prefix: ``compact(33024) == '33K'``.
+
+    >>> compact(6_738_415_616)
+    '6.74G'
+    >>> compact(None), compact(0)
+    ('?', '0')
+    """
+    if n is None:
+        return "?"
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return (
+                f"{n / scale:.3g}{prefix}{unit}"
+                if n / scale < 100
+                else f"{n / scale:.0f}{prefix}{unit}"
+            )
+    return f"{n:g}{unit}"
+
+
+def human_bytes(n: int) -> str:
+    """``human_bytes(940_584) == '918.54 KiB'``.
+
+    >>> human_bytes(12)
+    '12 B'
+    """
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _shapes(specs: tuple[str, ...]) -> str:
+    return "\n".join(specs) if specs else "-"
+
+
+def _state(state: Any) -> list[str]:
+    return [f"{name}: {n:,} ({human_bytes(b)})" for name, n, b in state]
+
+
+def _params(row: Any) -> str:
+    if row.same_as is not None:
+        return f"(same module as {row.same_as or '(model)'})"
+    lines = [f"{row.params:,}" if row.params else "-"]
+    if row.shared_with:
+        lines.append(f"(tied: {', '.join(k or '(model)' for k in row.shared_with)})")
+    lines += _state(row.state)
+    lines += row.variables
+    return "\n".join(lines)
+
+
+def _key(row: Any) -> str:
+    name = row.key if row.key else "(model)"
+    if row.trips != 1:
+        name += f"  x{'?' if row.trips is None else row.trips}"
+    if row.vmapped:
+        name += f"  (vmap {'x'.join(map(str, row.vmapped))})"
+    if row.folded:
+        name += f"  [+{row.folded} folded]"
+    return "  " * row.depth + name
+
+
+def _cells(row: Any) -> tuple[str, ...]:
+    return (
+        _key(row),
+        row.type if row.method == "__call__" else f"{row.type}.{row.method}",
+        _shapes(row.inputs),
+        _shapes(row.outputs),
+        _params(row),
+        compact(row.flops),
+        compact(row.vjp_flops),
+    )
+
+
+def _full(n: int | None) -> str:
+    return "?" if n is None else f"{n:,} ({compact(n)})"
+
+
+def caption(s: Any) -> list[str]:
+    """The totals, one line each; the parameter count written out in full."""
+    tot = s.totals
+    shared = (
+        f", of which tied/shared: {tot.shared_params:,}, counted once" if tot.shared_params else ""
+    )
+    lines = [f"Total parameters: {tot.params:,} ({human_bytes(tot.param_bytes)}){shared}"]
+    if tot.state:
+        lines.append(
+            f"Non-trainable: {tot.non_trainable:,} ({human_bytes(tot.non_trainable_bytes)}): "
+            + ", ".join(f"{name} {n:,} ({human_bytes(b)})" for name, n, b in tot.state)
+        )
+    lines.append(f"FLOPs (XLA cost analysis): forward {_full(tot.flops)}")
+    lines.append(f"FLOPs forward+backward (VJP): {_full(tot.vjp_flops)}")
+    m = tot.memory
+    if m is not None:
+        lines.append(
+            f"Memory of one training step (estimate): {human_bytes(m.total)} = inputs "
+            f"{human_bytes(m.inputs)} + variables {human_bytes(m.params)} + gradients "
+            f"{human_bytes(m.gradients)} + activations kept for backward "
+            f"{human_bytes(m.activations)}"
+        )
+    return lines
+
+
+def table(s: Any) -> Any:
+    """The summary as a ``rich.table.Table``, ending with the totals."""
+    from rich.table import Table
+
+    t = Table(title=s.title, show_lines=False, title_justify="left")
+    for i, name in enumerate(_HEADERS):
+        t.add_column(name, no_wrap=True, justify="right" if i >= 5 else "left")
+    for row in s.rows:
+        t.add_row(*_cells(row))
+    tot = s.totals
+    t.add_section()
+    t.add_row("Total", "", "", "", f"{tot.params:,}", compact(tot.flops), compact(tot.vjp_flops))
+    return t
+
+
+def renderable(s: Any) -> Any:
+    """The table followed by the totals, one line each (lines are not wrapped to the table)."""
+    from rich.console import Group
+    from rich.text import Text
+
+    return Group(table(s), *(Text(line, no_wrap=True, overflow="ignore") for line in caption(s)))
+
+
+def render(s: Any, width: int | None = None) -> str:
+    """The table as plain text (no colour codes), as ``print(summary)`` shows it."""
+    from rich.console import Console
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=width or 200, force_terminal=False, color_system=None)
+    console.print(renderable(s), crop=False)
+    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())
+
+
+def markdown(s: Any) -> str:
+    """The table as GitHub Markdown (line breaks in cells as ``<br>``), the totals below."""
+
+    def cell(text: str) -> str:
+        return text.strip().replace("|", "\\|").replace("\n", "<br>") or " "
+
+    lines = [f"**{cell(s.title)}**", ""]
+    lines.append("| " + " | ".join(_HEADERS) + " |")
+    lines.append("|" + "|".join("---:" if i >= 5 else "---" for i in range(len(_HEADERS))) + "|")
+    for row in s.rows:
+        lines.append("| " + " | ".join(cell(c) for c in _cells(row)) + " |")
+    lines.append("")
+    lines += [f"- {line}" for line in caption(s)]
+    return "\n".join(lines)

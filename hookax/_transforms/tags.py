@@ -1,0 +1,297 @@
+"""Marks on call-site outputs, and the trace that collects them (reap) or adds probes (plant).
+
+One mechanism serves ``hx.capture`` and ``hx.value_and_grad``:
+
+* **mark** (:func:`mark`): the dispatcher binds the ``hookax_tag`` primitive on each selected call
+  site's output. It is the identity; its parameters name the session and the call-site key. Every
+  JAX transform carries it by its own rules: ``jit``/``scan``/``cond``/``remat`` stage it into their
+  jaxprs, ``vmap`` batches it (batch axis moved to the front), ``jvp`` passes tangents through.
+* **collect** (``tagrules.HarvestTrace``): while a session runs, a forwarding trace sits on top of
+  the caller's trace. It passes every operation through unchanged, except a mark of its session
+  (recorded, or a probe added) and a higher-order primitive whose inner jaxpr holds such marks: that
+  jaxpr is re-traced through a child session, so the marked values leave the primitive as extra
+  outputs (stacked by ``scan``), or probes enter it as extra inputs. See ``tagrules`` for the
+  per-primitive rules and the trace itself.
+
+Values therefore leave every transform as its outputs: nothing is written into Python state while
+tracing, so ``jax.jit(f)(model, x)``, ``lax.scan`` over layers and ``jax.vmap(self.linear)`` inside
+a model all deliver.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import core
+from jax._src.interpreters import ad, batching, mlir
+from jax._src.interpreters import partial_eval as pe
+
+from .._util.errors import HookaxError
+
+__all__ = [
+    "ForwardingTrace",
+    "Record",
+    "Session",
+    "depth",
+    "live_session",
+    "mark",
+    "tag_p",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """How a marked output is rebuilt: its treedef and its non-array leaves (static)."""
+
+    treedef: Any
+    static: tuple[tuple[int, Any], ...]  # (position, value) of leaves that are not arrays
+    op: bool = False  # an operation inside a call site (ops=), not a call site's output
+
+    def what(self, key: str) -> str:
+        """``"call site 'layers/0'"`` or ``"operation 'layers/0:exp'"``, for messages."""
+        return f"{'operation' if self.op else 'call site'} {key!r}"
+
+    @property
+    def exclude(self) -> str:
+        """How to leave it out, for messages."""
+        return "leave it out of ops=" if self.op else "exclude it with where="
+
+    def rebuild(self, arrays: list[Any]) -> Any:
+        it = iter(arrays)
+        static = dict(self.static)
+        n = self.treedef.num_leaves
+        return self.treedef.unflatten([static[i] if i in static else next(it) for i in range(n)])
+
+
+class _Hashed:
+    """A non-hashable static leaf, compared by identity."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+tag_p = core.Primitive("hookax_tag")
+tag_p.multiple_results = True
+
+
+def _tag_impl(*args: Any, sid: int, key: str, spec: Spec) -> Any:
+    _lost(sid, key, spec)
+    return list(args)
+
+
+def _lost(sid: int, key: str, spec: Spec) -> None:
+    s = live_session(sid)
+    if s is not None:
+        raise HookaxError(
+            f"{s.who}: {spec.what(key)} ran where hookax cannot carry its value out (outside "
+            f"the traces that {s.who} follows: inside jax.ensure_compile_time_eval, a callback, "
+            f"or a function compiled ahead of time with .lower()). Call the model directly "
+            f"inside the function given to {s.who}, or {spec.exclude}."
+        )
+
+
+tag_p.def_impl(_tag_impl)
+tag_p.def_abstract_eval(lambda *avals, **_: list(avals))
+
+
+def _tag_lowering(ctx: Any, *args: Any, sid: int, key: str, spec: Spec) -> Any:
+    _lost(sid, key, spec)
+    return list(args)
+
+
+mlir.register_lowering(tag_p, _tag_lowering)
+
+
+def _tag_jvp(primals: Any, tangents: Any, **params: Any) -> Any:
+    return tag_p.bind(*primals, **params), list(tangents)
+
+
+ad.primitive_jvps[tag_p] = _tag_jvp
+ad.primitive_transposes[tag_p] = lambda cts, *args, **params: list(cts)
+
+
+def _tag_batch(axis_data: Any, args: Any, dims: Any, **params: Any) -> Any:
+    # The batch axis goes first (what the caller of a vmapped model sees); a value that does not
+    # depend on the mapped input is broadcast, so every entry has the batch axis.
+    moved = [
+        batching.broadcast(x, axis_data.size, 0, None) if d is None else jnp.moveaxis(x, d, 0)
+        for x, d in zip(args, dims)
+    ]
+    return tag_p.bind(*moved, **params), [0] * len(moved)
+
+
+batching.fancy_primitive_batchers[tag_p] = _tag_batch
+
+
+def _tag_dce(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
+    # A mark is kept even when its output is unused: the call site ran, so it must be delivered.
+    return [True] * len(eqn.invars), eqn
+
+
+pe.dce_rules[tag_p] = _tag_dce
+
+
+def mark(out: Any, sid: int, key: str, op: bool = False) -> Any:
+    """Bind the mark of session ``sid`` on the array leaves of ``out``; the same tree back.
+    ``op``: ``key`` is an operation's address."""
+    leaves, treedef = jax.tree.flatten(out)
+    arrays, static = [], []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, jax.Array | np.ndarray | core.Tracer):
+            arrays.append(leaf)
+        else:
+            try:
+                hash(leaf)
+                static.append((i, leaf))
+            except TypeError:
+                static.append((i, _Hashed(leaf)))
+    spec = Spec(treedef, tuple(static), op)
+    if not arrays:
+        live = live_session(sid)
+        if live is not None:
+            live.on_static(key, spec)
+        return out
+    tagged = tag_p.bind(*arrays, sid=sid, key=key, spec=spec)
+    return spec.rebuild(list(tagged))
+
+
+@dataclasses.dataclass
+class Record:
+    """One marked value delivered to a session: the call-site key, its spec, its array leaves.
+
+    ``axes`` lists the transforms it left on the way, innermost first (``("scan", 32)``,
+    ``("cond", None)``, ``("while", None)``, ``("shard_map", n)``); each added a leading axis except
+    ``cond`` and ``while``.
+    """
+
+    key: str
+    spec: Spec
+    values: list[Any]
+    axes: tuple[tuple[str, Any], ...] = ()
+
+    def output(self) -> Any:
+        return unwrap(self.spec.rebuild(self.values))
+
+
+def unwrap(tree: Any) -> Any:
+    return jax.tree.map(lambda x: x.value if isinstance(x, _Hashed) else x, tree)
+
+
+class Session:
+    """What one capture (``reap``) or one differentiated call (``plant``) collects or injects.
+
+    A child session collects inside a re-traced inner jaxpr and hands its records to the rule
+    that made it.
+    """
+
+    def __init__(self, sid: int, who: str, mode: str = "reap", probes: list[Any] | None = None):
+        self.sid = sid
+        self.who = who
+        self.mode = mode  # "reap": record the values; "plant": add the next probe to each
+        self.records: list[Record] = []
+        self.probes = probes or []
+        self.used = 0  # probes consumed so far (plant)
+        self.seen: set[tuple[str, str]] = set()  # (key, path) of call sites not selected
+        self.matched = False  # whether any call site was selected
+        self.owners: dict[str, Any] = {}  # key -> the NNX module first selected under it
+        self.starts: dict[str, None] = {}  # selected keys in the order their first call started
+        self.op_notes: Any = None  # ``_ops.Notes`` of a session with ops= (set by its runner)
+
+    def on_tag(self, args: list[Any], key: str, spec: Spec) -> list[Any]:
+        if self.mode == "reap":
+            self.records.append(Record(key, spec, list(args)))
+            return list(args)
+        return self.add_probe(args, key, spec)
+
+    def on_static(self, key: str, spec: Spec) -> None:
+        """A call site whose output holds no array: recorded as is, nothing to probe."""
+        if self.mode == "reap":
+            self.records.append(Record(key, spec, []))
+
+    def take_probes(self, n: int, key: str, spec: Spec | None = None) -> list[Any]:
+        if self.used + n > len(self.probes):
+            what = spec.what(key) if spec is not None else repr(key)
+            raise HookaxError(
+                f"{self.who}: {what} ran more often while differentiating than when "
+                f"its outputs were measured. The function must call the same modules the same "
+                f"number of times for the same inputs (no data-dependent Python control flow, no "
+                f"randomness in which modules run)."
+            )
+        out = self.probes[self.used : self.used + n]
+        self.used += n
+        return out
+
+    def add_probe(self, args: list[Any], key: str, spec: Spec) -> list[Any]:
+        probes = self.take_probes(1, key, spec)[0]
+        out = []
+        for x, p in zip(args, probes):
+            if p is None:
+                out.append(x)
+                continue
+            if tuple(np.shape(x)) != tuple(p.shape):
+                raise HookaxError(
+                    f"{self.who}: {spec.what(key)} returned shape {np.shape(x)} while "
+                    f"differentiating but {p.shape} when its outputs were measured."
+                )
+            out.append(x + p.astype(x.dtype))
+        return out
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.live: dict[int, Session] = {}
+
+
+_LOCAL = _Local()
+
+
+def depth() -> int:
+    """How many top-level sessions run on this thread: the next session's id."""
+    return len(_LOCAL.live)
+
+
+def live_session(sid: int) -> Session | None:
+    """The top-level session ``sid`` running on this thread, or None."""
+    return _LOCAL.live.get(sid)
+
+
+class ForwardingTrace(core.Trace):
+    """A trace that forwards everything to its parent; subclasses intercept what they need.
+
+    It shares its parent's trace identity (``_weakref``): frameworks that check "am I still in
+    the trace this module was created in" (NNX, Linen) see no difference, and JAX's jit keys
+    are unchanged. It creates no tracers of its own: values are the parent's.
+    """
+
+    __slots__ = ("parent",)
+
+    def __init__(self, parent: Any) -> None:
+        super().__init__()
+        self.parent = parent
+        self._weakref = parent._weakref
+        self.requires_low = parent.requires_low
+
+    def forward(self, prim: Any, args: Any, params: Any) -> Any:
+        avals = [core.typeof(a) for a in args]
+        return prim.bind_with_trace(self.parent, args, avals, params)
+
+    def process_primitive(self, prim: Any, args: Any, params: Any) -> Any:
+        return self.forward(prim, args, params)
+
+    def process_call(self, prim: Any, fun: Any, args: Any, params: Any) -> Any:
+        with core.set_current_trace(self):
+            return fun.call_wrapped(*args)
+
+    def cur_qdd(self, x: Any) -> Any:
+        return self.parent.cur_qdd(x)
+
+    def stage_value(self, val: Any) -> Any:
+        with core.set_current_trace(self.parent):
+            return self.parent.stage_value(val)
