@@ -9,30 +9,44 @@ True
 
 from importlib import metadata as _metadata
 
-from ._capture.actgrad import value_and_grad
-from ._capture.capture import capture
-from ._capture.ops import OpRow, intercept_op, named_scopes
-from ._capture.opslist import Ops, ops
-from ._diagnostics.gradflow import GradFlow, grad_flow, layer_grad_norms, plot_grad_flow
-from ._engine.adapters import StaleTraceWarning, key_linen_interceptors
+from ._capture.actgrad import value_and_grad as value_and_grad
+from ._capture.capture import capture as capture
+from ._capture.ops import OpRow as OpRow
+from ._capture.ops import intercept_op as intercept_op
+from ._capture.ops import named_scopes as named_scopes
+from ._capture.opslist import Ops as Ops
+from ._capture.opslist import ops as ops
+from ._diagnostics.gradflow import GradFlow as GradFlow
+from ._diagnostics.gradflow import grad_flow as grad_flow
+from ._diagnostics.gradflow import layer_grad_norms as layer_grad_norms
+from ._diagnostics.gradflow import plot_grad_flow as plot_grad_flow
+from ._engine.adapters import StaleTraceWarning as StaleTraceWarning
 from ._engine.adapters import ensure_installed as _ensure_installed
-from ._engine.context import Context
-from ._engine.select import Select, Selector
-from ._harvest.harvest import harvest
-from ._hooks.grad import hook_grad
-from ._hooks.hooks import (
-    HookHandle,
-    hooks,
-    register_forward_hook,
-    register_forward_pre_hook,
-    register_full_backward_hook,
-    register_full_backward_pre_hook,
-    remove_hooks,
-)
-from ._hooks.intercept import Interceptor, intercept
-from ._summary.summary import Memory, Summary, SummaryRow, SummaryTotals, summary
-from ._transforms.optrace import OpContext
-from ._util.errors import HookaxError, HookError, SelectorError
+from ._engine.adapters import key_linen_interceptors as key_linen_interceptors
+from ._engine.context import Context as Context
+from ._engine.select import Select as Select
+from ._engine.select import Selector as Selector
+from ._harvest.harvest import harvest as harvest
+from ._hooks import hookrun as _hookrun  # noqa: F401 (fills the dispatcher's hooks slot)
+from ._hooks.grad import hook_grad as hook_grad
+from ._hooks.hooks import HookHandle as HookHandle
+from ._hooks.hooks import hooks as hooks
+from ._hooks.hooks import register_forward_hook as register_forward_hook
+from ._hooks.hooks import register_forward_pre_hook as register_forward_pre_hook
+from ._hooks.hooks import register_full_backward_hook as register_full_backward_hook
+from ._hooks.hooks import register_full_backward_pre_hook as register_full_backward_pre_hook
+from ._hooks.hooks import remove_hooks as remove_hooks
+from ._hooks.intercept import Interceptor as Interceptor
+from ._hooks.intercept import intercept as intercept
+from ._summary.summary import Memory as Memory
+from ._summary.summary import Summary as Summary
+from ._summary.summary import SummaryRow as SummaryRow
+from ._summary.summary import SummaryTotals as SummaryTotals
+from ._summary.summary import summary as summary
+from ._transforms.optrace import OpContext as OpContext
+from ._util.errors import HookaxError as HookaxError
+from ._util.errors import HookError as HookError
+from ._util.errors import SelectorError as SelectorError
 
 try:
     __version__ = _metadata.version("hookax")

@@ -285,7 +285,7 @@ def test_where_registers_on_every_match_with_one_handle(mode):
     h.remove()  # idempotent
     call(mode, model, x)
     assert len(seen) == 2
-    assert all(hx._hooks.hook_set(m) is None for _, m in nnx.iter_modules(model))
+    assert all(hx._hooks.hooks.hook_set(m) is None for _, m in nnx.iter_modules(model))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -315,7 +315,7 @@ def test_where_matching_nothing_and_non_modules():
         hx.register_forward_pre_hook(lambda x: x, lambda *a: None)
     with pytest.raises(hx.HookaxError, match="expects a callable hook, got 3"):
         hx.register_forward_hook(model, 3)
-    assert all(hx._hooks.hook_set(m) is None for _, m in nnx.iter_modules(model))
+    assert all(hx._hooks.hooks.hook_set(m) is None for _, m in nnx.iter_modules(model))
 
 
 def test_handle_context_manager_and_remove_hooks():

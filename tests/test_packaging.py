@@ -45,7 +45,8 @@ def test_library_dependencies_are_ranges_with_rich_in_core():
     core = project["dependencies"]
     assert {_name(r) for r in core} == {"jax", "rich"}
     extras = project["optional-dependencies"]
-    library = core + [r for e in ("nnx", "linen", "equinox", "plot", "harvest") for r in extras[e]]
+    names = ("nnx", "linen", "equinox", "plot", "harvest", "tensorboard", "data")
+    library = core + [r for e in names for r in extras[e]]
     for req in library:
         assert ">=" in req and "==" not in req and "<" not in req, req
 
@@ -59,7 +60,8 @@ def test_oldest_constraints_pin_the_lower_bounds():
     project = _project()
     extras = project["optional-dependencies"]
     reqs = project["dependencies"]
-    reqs += [r for e in ("nnx", "equinox", "plot", "harvest") for r in extras[e]]
+    names = ("nnx", "equinox", "plot", "harvest", "tensorboard", "data")
+    reqs += [r for e in names for r in extras[e]]
     lower = {_name(r): _version(r.split(">=")[1]) for r in reqs}
     lines = (ROOT / "constraints-oldest.txt").read_text().splitlines()
     pins = dict(ln.split("==") for ln in lines if "==" in ln and not ln.startswith("#"))

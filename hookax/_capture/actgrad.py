@@ -189,48 +189,85 @@ def value_and_grad(
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, dict[str, tuple[Any, ...]]]:
-        for n in nums:
-            if not isinstance(n, int) or not -len(args) <= n < len(args):
-                raise HookaxError(
-                    f"hx.value_and_grad: argnums={argnums!r} names no positional argument of "
-                    f"the {len(args)} given. Pass the model and data positionally: "
-                    f"hx.value_and_grad(loss_fn)(model, x, y)."
-                )
-        nnx_mode = _is_nnx((args, kwargs, list(_capture.roots(fn))))
-        nums_pos = tuple(n % len(args) for n in nums)
-        eqx_mode = not nnx_mode and _is_equinox([args[n] for n in nums_pos])
-        mode = "equinox" if eqx_mode else nnx_mode
+        nums_pos = _positions(nums, argnums, args)
+        mode = _mode(fn, args, kwargs, nums_pos)
+        # 1. which call sites run, with their output specs (an abstract trace)
         records, order = _discover(fn, where, patterns, mode, args, kwargs)
-        perturbs = _zeros(records)
-        extra = len(args)
-
-        def inner(*a: Any) -> Any:
-            *fargs, p = a
-            s = _capture.session(WHO, where, fn, tuple(fargs), kwargs, "plant", p, patterns)
-            out = s.run(fn, *fargs, **kwargs)
-            if s.session.used != len(p):
-                key = records[s.session.used][0]
-                raise HookaxError(
-                    f"{WHO}: call site {key!r} ran fewer times while differentiating than when "
-                    f"its outputs were measured; its gradients would be wrong. The function must "
-                    f"call the same modules the same number of times for the same inputs."
-                )
-            return out
-
-        if eqx_mode:
-            value, g = _eqx_value_and_grad(inner, nums_pos, has_aux, args, perturbs)
-        else:
-            if nnx_mode:
-                from flax import nnx
-
-                vg = nnx.value_and_grad(inner, argnums=(*nums_pos, extra), has_aux=has_aux)
-            else:
-                vg = jax.value_and_grad(inner, argnums=(*nums_pos, extra), has_aux=has_aux)
-            value, g = vg(*args, perturbs)
+        # 2. the loss with a zero perturbation planted on each of them, as one more argument
+        inner = _planted(fn, where, patterns, records, kwargs)
+        # 3. the framework's own value_and_grad over the arguments and the perturbations
+        value, g = _differentiate(inner, mode, nums_pos, has_aux, args, _zeros(records))
         grads = g[0] if not isinstance(argnums, tuple) else tuple(g[:-1])
-        act_grads: dict[str, list[Any]] = {k: [] for k in order}
-        for (key, spec, _), leaves in zip(records, g[-1]):
-            act_grads.setdefault(key, []).append(_tags.unwrap(spec.rebuild(list(leaves))))
-        return value, grads, {k: tuple(v) for k, v in act_grads.items()}
+        # 4. the perturbations' gradients, laid out like hx.capture's values
+        return value, grads, _act_grads(records, order, g[-1])
 
     return wrapped
+
+
+def _positions(nums: tuple[Any, ...], argnums: Any, args: tuple[Any, ...]) -> tuple[int, ...]:
+    """``argnums`` as non-negative positions of ``args``; an out-of-range one raises."""
+    for n in nums:
+        if not isinstance(n, int) or not -len(args) <= n < len(args):
+            raise HookaxError(
+                f"hx.value_and_grad: argnums={argnums!r} names no positional argument of "
+                f"the {len(args)} given. Pass the model and data positionally: "
+                f"hx.value_and_grad(loss_fn)(model, x, y)."
+            )
+    return tuple(n % len(args) for n in nums)
+
+
+def _mode(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], nums_pos: tuple[int, ...]) -> Any:
+    """Whose ``value_and_grad`` to use: ``True`` (NNX), ``"equinox"``, or ``False`` (JAX's)."""
+    nnx_mode = _is_nnx((args, kwargs, list(_capture.roots(fn))))
+    if not nnx_mode and _is_equinox([args[n] for n in nums_pos]):
+        return "equinox"
+    return nnx_mode
+
+
+def _planted(
+    fn: Callable[..., Any], where: Any, patterns: Any, records: list[Any], kwargs: dict[str, Any]
+) -> Callable[..., Any]:
+    """``fn`` taking the perturbations as a last argument, planted on the recorded call sites."""
+
+    def inner(*a: Any) -> Any:
+        *fargs, p = a
+        s = _capture.session(WHO, where, fn, tuple(fargs), kwargs, "plant", p, patterns)
+        out = s.run(fn, *fargs, **kwargs)
+        if s.session.used != len(p):
+            key = records[s.session.used][0]
+            raise HookaxError(
+                f"{WHO}: call site {key!r} ran fewer times while differentiating than when "
+                f"its outputs were measured; its gradients would be wrong. The function must "
+                f"call the same modules the same number of times for the same inputs."
+            )
+        return out
+
+    return inner
+
+
+def _differentiate(
+    inner: Callable[..., Any],
+    mode: Any,
+    nums_pos: tuple[int, ...],
+    has_aux: bool,
+    args: tuple[Any, ...],
+    perturbs: Any,
+) -> tuple[Any, Any]:
+    """``(value, gradients)`` of ``inner`` for ``nums_pos`` and the perturbations (last)."""
+    if mode == "equinox":
+        return _eqx_value_and_grad(inner, nums_pos, has_aux, args, perturbs)
+    if mode:
+        from flax import nnx
+
+        vg = nnx.value_and_grad(inner, argnums=(*nums_pos, len(args)), has_aux=has_aux)
+    else:
+        vg = jax.value_and_grad(inner, argnums=(*nums_pos, len(args)), has_aux=has_aux)
+    return vg(*args, perturbs)
+
+
+def _act_grads(records: list[Any], order: list[str], g: Any) -> dict[str, tuple[Any, ...]]:
+    """The perturbations' gradients by call-site key, one entry per call, in call order."""
+    act_grads: dict[str, list[Any]] = {k: [] for k in order}
+    for (key, spec, _), leaves in zip(records, g):
+        act_grads.setdefault(key, []).append(_tags.unwrap(spec.rebuild(list(leaves))))
+    return {k: tuple(v) for k, v in act_grads.items()}
