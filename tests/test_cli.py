@@ -577,9 +577,27 @@ def test_gradflow_of_equinox_and_linen_factories(capsys, in_cwd):
     assert (code, err) == (0, "")
     assert [line.split()[0] for line in out.splitlines()[1:3]] == ["layers/0", "layers/1"]
     assert out.splitlines()[-1] == f"wrote {in_cwd / 'eqx.png'} (2 call sites, 2 with parameters)"
-    assert _error(capsys, "gradflow", "mymodels:linen", "--input", "f32[2,4]") == (
-        "gradflow plots Flax NNX and Equinox models; 'mymodels:linen' is a LinenNet "
-        "(hookax summary takes it)"
+    code, out, err = _run(
+        capsys,
+        "gradflow",
+        "mymodels:linen",
+        "--input",
+        "f32[2,4]",
+        "--kw",
+        "train=false",
+        "--out",
+        str(in_cwd / "l.png"),
+    )
+    assert (code, err) == (0, "")
+    assert [line.split()[0] for line in out.splitlines()[1:4]] == [
+        "Dense_0",
+        "BatchNorm_0",
+        "Dropout_0",
+    ]
+    assert out.splitlines()[-1] == f"wrote {in_cwd / 'l.png'} (3 call sites, 2 with parameters)"
+    assert _error(capsys, "gradflow", "mymodels:linen", "--input", "f32[2,4]", "--eval") == (
+        "--eval: a Linen model has no mode to switch ('mymodels:linen' is a LinenNet); pass its "
+        "own argument instead, e.g. --kw deterministic=true"
     )
 
 
@@ -613,3 +631,42 @@ def test_ops_lists_addresses_and_rejects_a_where_that_matches_nothing(capsys):
     assert rows and all(r["key"] == "layers/0/mlp" for r in rows)
     assert main(["ops", "--example", "transformer", "--where", "layers/9"]) == 2
     assert "matched no call site" in capsys.readouterr().err
+
+
+def test_grad_flow_of_a_bound_linen_module_equals_hand_gradients():
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from hookax._diagnostics.gradflow import grad_flow
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(3)(x)  # Dense_0 (named in creation order)
+            return nn.Dense(2)(jnp.tanh(h))
+
+    model, x = Net(), jnp.array([[1.0, -2.0], [0.5, 3.0]])
+    variables = model.init(jax.random.key(0), x)
+    flow = grad_flow(model.bind(variables), x)
+    p = variables["params"]
+    w0, b0 = p["Dense_0"]["kernel"], p["Dense_0"]["bias"]
+    w1, b1 = p["Dense_1"]["kernel"], p["Dense_1"]["bias"]
+
+    def loss(y0, w0=w0, b0=b0, w1=w1, b1=b1):  # y0: Dense_0's output
+        y1 = jnp.tanh(y0) @ w1 + b1
+        return jnp.mean(jnp.square(y1))
+
+    y0 = x @ w0 + b0
+    y1 = jnp.tanh(y0) @ w1 + b1
+    g0 = jax.grad(loss)(y0)
+    g1 = 2 * y1 / y1.size  # d mean(y1^2) / d y1
+    assert list(flow.outputs) == ["Dense_0", "Dense_1"]
+    np.testing.assert_allclose(flow.outputs["Dense_0"], float(jnp.linalg.norm(g0)), rtol=1e-5)
+    np.testing.assert_allclose(flow.outputs["Dense_1"], float(jnp.linalg.norm(g1)), rtol=1e-5)
+    gw = jax.grad(lambda w1, b1: loss(y0, w1=w1, b1=b1), argnums=(0, 1))(w1, b1)
+    flat = jnp.abs(jnp.concatenate([gw[0].ravel(), gw[1].ravel()]))
+    np.testing.assert_allclose(flow.params["Dense_1"][0], float(flat.mean()), rtol=1e-5)
+    np.testing.assert_allclose(flow.params["Dense_1"][1], float(flat.max()), rtol=1e-5)
+    with pytest.raises(hx.HookaxError, match=r"needs its variables\. Fix: bind them"):
+        grad_flow(model, x)

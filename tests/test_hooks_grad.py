@@ -447,3 +447,45 @@ def test_a_backward_hook_may_return_none_entries_and_a_namedtuple_output_is_a_tu
     gx = (nnx.jit(f) if mode == "jit" else f)(m, jnp.ones(3))
     np.testing.assert_array_equal(gx, [3.0, 3.0, 3.0])
     assert seen == [((3,), {"c": (3,), "i": None})]
+
+
+class Unused(nnx.Module):
+    """``y`` is an input that does not reach the output."""
+
+    def __call__(self, x, y):
+        return x * 2.0
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "vjp"])
+def test_grad_input_is_zeros_for_a_differentiated_input_that_does_not_reach_the_output(mode):
+    # PyTorch: a full backward hook's grad_input entry for an input that requires grad but does
+    # not reach the output is zeros; an input that is not differentiated gets None.
+    m = Unused()
+    seen = []
+
+    def hook(module, grad_input, grad_output):
+        seen.append(tuple(None if g is None else g.shape for g in grad_input))
+        if grad_input[1] is not None:  # zeros: adding one gives exactly one
+            return (grad_input[0] * 10.0, grad_input[1] + 1.0)
+        return None
+
+    hx.register_full_backward_hook(m, hook)
+    x, y = jnp.array([1.0, 2.0, 3.0]), jnp.array([4.0, 5.0])
+
+    def loss(x, y):
+        return m(x, y).sum()
+
+    if mode == "vjp":
+        _, vjp = jax.vjp(loss, x, y)
+        gx, gy = vjp(jnp.ones((), jnp.float32))
+    else:
+        f = jax.grad(loss, argnums=(0, 1))
+        gx, gy = (jax.jit(f) if mode == "jit" else f)(x, y)
+    np.testing.assert_array_equal(gx, [20.0, 20.0, 20.0])
+    np.testing.assert_array_equal(gy, [1.0, 1.0])
+    assert seen == [((3,), (2,))]
+    seen.clear()
+    f1 = jax.grad(loss, argnums=0)  # y is not differentiated: None, as before
+    gx = (jax.jit(f1) if mode == "jit" else f1)(x, y)
+    assert seen == [((3,), None)]
+    np.testing.assert_array_equal(gx, [2.0, 2.0, 2.0])

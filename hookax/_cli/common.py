@@ -286,23 +286,44 @@ def load_model(args: argparse.Namespace, *, abstract: bool) -> LoadedModel:
     return LoadedModel(model, inputs, kwargs, name, int_high)
 
 
-def load_nnx_or_equinox(args: argparse.Namespace, does: str) -> LoadedModel:
+def load_nnx_or_equinox(args: argparse.Namespace, does: str, *, linen: bool = False) -> LoadedModel:
     """:func:`load_model` with its arrays, for commands that run Flax NNX and Equinox models
-    (``--eval``: NNX ``.eval()``, Equinox ``inference_mode``); a Linen model is refused."""
+    (``--eval``: NNX ``.eval()``, Equinox ``inference_mode``); a Linen model is refused unless
+    ``linen`` (then it is returned unbound: :func:`bind_linen` gives it variables)."""
     loaded = load_model(args, abstract=False)
     nnx, eqx = sys.modules.get("flax.nnx"), sys.modules.get("equinox")
+    nn = sys.modules.get("flax.linen")
     if nnx is not None and isinstance(loaded.model, nnx.Module):
         if args.eval:
             loaded.model.eval()
     elif eqx is not None and isinstance(loaded.model, eqx.Module):
         if args.eval:
             loaded.model = eqx.nn.inference_mode(loaded.model)
+    elif linen and nn is not None and isinstance(loaded.model, nn.Module):
+        if args.eval:
+            raise UsageError(
+                f"--eval: a Linen model has no mode to switch ({loaded.name!r} is a "
+                f"{type(loaded.model).__name__}); pass its own argument instead, e.g. "
+                f"--kw deterministic=true"
+            )
     else:
         raise UsageError(
             f"{does} Flax NNX and Equinox models; {loaded.name!r} is a "
             f"{type(loaded.model).__name__} (hookax summary takes it)"
         )
     return loaded
+
+
+def bind_linen(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any], seed: int) -> Any:
+    """A Linen module bound to variables initialised (``model.init``) for these inputs; any other
+    model unchanged."""
+    nn = sys.modules.get("flax.linen")
+    if nn is None or not isinstance(model, nn.Module):
+        return model
+    import jax
+
+    variables = jax.jit(lambda k, *a: model.init(k, *a, **kwargs))(jax.random.key(seed), *inputs)
+    return model.bind(variables)
 
 
 _TRACING_ERRORS = (
@@ -471,11 +492,12 @@ def _gradflow(args: argparse.Namespace) -> None:
         check_writable(args.out)
     except OSError as e:
         raise UsageError(f"cannot write {args.out!r}: {e.strerror or e}") from None
-    loaded = load_nnx_or_equinox(args, "gradflow plots")
+    loaded = load_nnx_or_equinox(args, "gradflow plots", linen=True)
     inputs = random_inputs(loaded.args, args.seed, loaded.int_high)
     kwargs = _concrete_kwargs(loaded.kwargs, args.seed)
     try:
-        flow = grad_flow(loaded.model, *inputs, where=args.where, **kwargs)
+        model = bind_linen(loaded.model, inputs, kwargs, args.seed)
+        flow = grad_flow(model, *inputs, where=args.where, **kwargs)
     except Exception as e:
         from .._util.errors import SelectorError
 

@@ -145,13 +145,14 @@ def grad_flow(
     where: Any = None,
     **kwargs: Any,
 ) -> GradFlow:
-    """Both measurements of one backward pass (see :class:`GradFlow`), on NNX or Equinox."""
-    from .._capture.actgrad import value_and_grad
+    """Both measurements of one backward pass (see :class:`GradFlow`).
 
+    ``model`` is a Flax NNX or Equinox module, or a Linen module bound to its variables
+    (``module.bind(variables)``: the gradients are taken with respect to its ``params``).
+    """
     fw = _framework(model)
     layout = _Layout.of(fw, model, inputs, kwargs, loss_fn)
-    run = fw.jit(lambda m, *xs, **kw: value_and_grad(loss_fn, where=where)(m, *xs, **kw)[1:])
-    grads, act_grads = run(model, *inputs, **kwargs)
+    grads, act_grads = fw.gradients(loss_fn, where, model, inputs, kwargs)
     if where is not None and not act_grads:
         from .._util.errors import SelectorError
 
@@ -167,7 +168,25 @@ def grad_flow(
     return GradFlow(outputs, _param_stats(fw.param_grads(grads), layout))
 
 
-class _NNX:
+class _Jitted:
+    """A framework whose models are arguments of its own jit (NNX, Equinox)."""
+
+    @staticmethod
+    def jit(fn: Callable[..., Any]) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    @classmethod
+    def gradients(
+        cls, loss_fn: Any, where: Any, model: Any, inputs: tuple, kwargs: dict
+    ) -> tuple[Any, dict[str, Any]]:
+        """``(grads, act_grads)`` of :func:`hookax.value_and_grad`, jitted the framework's way."""
+        from .._capture.actgrad import value_and_grad
+
+        run = cls.jit(lambda m, *xs, **kw: value_and_grad(loss_fn, where=where)(m, *xs, **kw)[1:])
+        return run(model, *inputs, **kwargs)
+
+
+class _NNX(_Jitted):
     """How gradflow splits, jits and reads the gradients of a Flax NNX model."""
 
     @staticmethod
@@ -197,7 +216,7 @@ class _NNX:
         return out
 
 
-class _Equinox:
+class _Equinox(_Jitted):
     """How gradflow splits, jits and reads the gradients of an Equinox model."""
 
     @staticmethod
@@ -230,6 +249,45 @@ class _Equinox:
         return out
 
 
+class _Linen:
+    """How gradflow splits, differentiates and reads the gradients of a bound Linen module."""
+
+    @staticmethod
+    def split(model: Any) -> tuple[Any, Callable[[Any], Any]]:
+        module, variables = model.unbind()
+        return variables, module.bind
+
+    @classmethod
+    def gradients(
+        cls, loss_fn: Any, where: Any, model: Any, inputs: tuple, kwargs: dict
+    ) -> tuple[Any, dict[str, Any]]:
+        import jax
+
+        from .._capture.actgrad import value_and_grad
+
+        variables, bind = cls.split(model)
+        params, rest = variables["params"], {k: v for k, v in variables.items() if k != "params"}
+
+        def loss(params: Any, *xs: Any) -> Any:  # keyword arguments stay Python values
+            return loss_fn(bind({"params": params, **rest}), *xs, **kwargs)
+
+        run = jax.jit(lambda p, *xs: value_and_grad(loss, where=where)(p, *xs)[1:])
+        return run(params, *inputs)
+
+    @staticmethod
+    def param_grads(grads: Any) -> dict[str, list[Any]]:
+        """Module key (``"Dense_0"``, ``"block/Dense_1"``) -> gradients of its own parameters."""
+        import jax
+
+        from .._engine.context import path_str
+
+        out: dict[str, list[Any]] = {}
+        for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+            keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path[:-1])
+            out.setdefault(path_str(keys), []).append(g)
+        return out
+
+
 def _framework(model: Any) -> Any:
     import sys
 
@@ -239,11 +297,21 @@ def _framework(model: Any) -> Any:
     eqx = sys.modules.get("equinox")
     if eqx is not None and isinstance(model, eqx.Module):
         return _Equinox
+    nn = sys.modules.get("flax.linen")
+    if nn is not None and isinstance(model, nn.Module):
+        if model.scope is not None:
+            return _Linen
+        from .._util.errors import HookaxError
+
+        raise HookaxError(
+            f"gradient flow of a Linen {type(model).__name__} needs its variables. Fix: bind "
+            f"them: hx.grad_flow(model.bind(variables), x), with variables = model.init(key, x)."
+        )
     from .._util.errors import HookaxError
 
     raise HookaxError(
-        f"gradient flow takes a Flax NNX or Equinox model, got {type(model).__name__}. Fix: for "
-        "a Linen model, use hx.value_and_grad on its parameters (see docs/gradients.md)."
+        f"gradient flow takes a Flax NNX or Equinox model or a bound Linen module, got "
+        f"{type(model).__name__}."
     )
 
 

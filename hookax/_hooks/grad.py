@@ -91,10 +91,23 @@ def hook_grad(x: Any, fn: Callable[[Any], Any]) -> Any:
     the same tree structure, shapes and dtypes. ``fn`` runs while JAX differentiates, so it must be
     JAX-traceable.
 
+    Order of chained hooks: each ``hook_grad`` wraps what it is given, and JAX runs the
+    backward pass from the loss inwards, so in ``hx.hook_grad(hx.hook_grad(x, f), g)`` the outer
+    ``g`` (applied last) runs **first**, then ``f``. PyTorch runs the hooks registered on one
+    tensor in registration order (``t.register_hook(f); t.register_hook(g)``: ``f`` first). To get
+    PyTorch's order, nest in reverse (``hook_grad(hook_grad(x, g), f)``) or compose in one hook
+    (``hook_grad(x, lambda c: g(f(c)))``).
+
     >>> import jax, jax.numpy as jnp
     >>> import hookax as hx
     >>> jax.grad(lambda x: hx.hook_grad(x * x, lambda g: g * 10))(3.0)
     Array(60., dtype=float32, weak_type=True)
+    >>> order = []
+    >>> f = lambda g: order.append("f")
+    >>> g = lambda g: order.append("g")
+    >>> _ = jax.grad(lambda x: hx.hook_grad(hx.hook_grad(x, f), g))(1.0)
+    >>> order  # the outer hook first
+    ['g', 'f']
     """
     tree = _Tree(x)
     if not any(tree.mask):
@@ -114,13 +127,14 @@ def hook_grad(x: Any, fn: Callable[[Any], Any]) -> Any:
 
 
 def _symbolic_identity(
-    on_fwd: Callable[[bool], None], on_bwd: Callable[[tuple[Any, ...]], Sequence[Any]]
+    on_fwd: Callable[[tuple[bool, ...]], None], on_bwd: Callable[[tuple[Any, ...]], Sequence[Any]]
 ) -> Callable[..., Any]:
     """An identity on a tuple of arrays with symbolic zeros (``symbolic_zeros=True``).
 
-    ``on_fwd(perturbed)`` is told, when JAX differentiates the call, whether any input is
-    differentiated; ``on_bwd`` gets the cotangents with None where JAX has a symbolic zero (an
-    output that does not reach the loss) and returns the input cotangents (None for zero).
+    ``on_fwd(perturbed)`` is told, when JAX differentiates the call, which inputs are
+    differentiated (one flag per array); ``on_bwd`` gets the cotangents with None where JAX has
+    a symbolic zero (an output that does not reach the loss) and returns the input cotangents
+    (None for zero).
     """
 
     @jax.custom_vjp
@@ -128,7 +142,7 @@ def _symbolic_identity(
         return xs
 
     def fwd(xs: tuple[Any, ...]) -> tuple[tuple[Any, ...], None]:
-        on_fwd(any(x.perturbed for x in xs))
+        on_fwd(tuple(bool(x.perturbed) for x in xs))
         return tuple(x.value for x in xs), None
 
     def bwd(_: None, cts: tuple[Any, ...]) -> tuple[tuple[Any, ...]]:
@@ -166,6 +180,10 @@ def _flat(trees: list[_Tree], entries: Sequence[Any]) -> list[Any]:
     return out
 
 
+def _ignore(_: tuple[bool, ...]) -> None:
+    return None
+
+
 class _Site:
     """The backward hooks of one call of one call site, and what passes between its identities.
 
@@ -180,13 +198,15 @@ class _Site:
         self.inputs: list[_Tree] = []
         self.outputs: list[_Tree] = []
         self.perturbed = False  # set when JAX differentiates some input of this call
+        self.differentiated: tuple[bool, ...] = ()  # which input arrays JAX differentiates
         self.grad_output: tuple[Any, ...] | None = None  # from the output's to the inputs' bwd
 
     def note(self, kind: str, fn: Any) -> str:
         return f"hookax: raised in {kind} {hook_name(fn)} at {self.where}"
 
-    def _perturbed(self, perturbed: bool) -> None:
-        self.perturbed = self.perturbed or perturbed
+    def _perturbed(self, perturbed: tuple[bool, ...]) -> None:
+        self.perturbed = self.perturbed or any(perturbed)
+        self.differentiated = perturbed
 
     def wrap_inputs(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
         self.inputs = trees = [_Tree(a) for a in args]
@@ -202,7 +222,7 @@ class _Site:
         if not any(any(t.mask) for t in trees):
             return out
         flat = tuple(x for t in trees for x in t.diff)
-        new = iter(_symbolic_identity(lambda _: None, self._output_bwd)(flat))
+        new = iter(_symbolic_identity(_ignore, self._output_bwd)(flat))
         wrapped = [t.rebuild([next(new) for _ in t.diff], _KEEP) for t in trees]
         if not is_tuple:
             return wrapped[0]
@@ -226,6 +246,13 @@ class _Site:
         grad_output, self.grad_output = self.grad_output, None
         if grad_output is None:  # the output's gradient never reached this call: as PyTorch
             return list(cts)
+        # As in PyTorch: an input that is differentiated but does not reach the output has a
+        # zero gradient (None stays for inputs that are not differentiated).
+        leaves = [x for t in self.inputs for x in t.diff]
+        cts = tuple(
+            jnp.zeros(x.shape, x.dtype) if c is None and d else c
+            for c, d, x in zip(cts, self.differentiated, leaves)
+        )
         grad_input = self._run_post(_entries(self.inputs, cts), grad_output)
         return _flat(self.inputs, grad_input)
 

@@ -402,7 +402,8 @@ def register_full_backward_hook(
 
     ``hook(module, grad_input, grad_output) -> None | new_grad_input``: as in PyTorch,
     ``grad_input`` is a tuple with one entry per positional argument (None for an argument with
-    no float arrays, or not differentiated) and ``grad_output`` the tuple of
+    no float arrays, or not differentiated; zeros for one that is differentiated but does not
+    reach the output) and ``grad_output`` the tuple of
     :func:`register_full_backward_pre_hook`. A replacement is the gradient that flows on to the
     inputs; a None entry in it means a zero gradient. When no input is differentiated (the first
     layer, or gradients of the parameters only) the hook still runs, with ``grad_input`` all
