@@ -14,40 +14,15 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hookax"
 
-# Lowest first. A part may import itself and the parts listed for it, nothing else of hookax.
-LAYERS: dict[str, set[str]] = {
-    "_util": set(),
-    "_engine": {"_util"},
-    "_transforms": {"_util", "_engine"},
-    "_hooks": {"_util", "_engine", "_transforms"},
-    "frameworks": {"_util", "_engine", "_hooks"},
-    "_capture": {"_util", "_engine", "_transforms", "_hooks", "frameworks"},
-    "_summary": {"_util", "_engine", "_transforms", "_hooks", "frameworks", "_capture"},
-    "_harvest": {"_util", "_engine", "_transforms", "_hooks", "frameworks", "_capture"},
-    "_diagnostics": {
-        "_util",
-        "_engine",
-        "_transforms",
-        "_hooks",
-        "frameworks",
-        "_capture",
-        "_summary",
-        "_harvest",
-    },
-    "_cli": {
-        "_util",
-        "_engine",
-        "_transforms",
-        "_hooks",
-        "frameworks",
-        "_capture",
-        "_summary",
-        "_harvest",
-        "_diagnostics",
-        "examples",
-    },
-    "examples": set(),
-}
+# Lowest first: each of these may import the ones before it.
+STACK = ["_util", "_engine", "_transforms", "_hooks", "frameworks", "_capture"]
+FEATURES = ["_summary", "_harvest"]  # side by side: neither imports the other
+# A part may import itself and the parts listed for it, nothing else of hookax.
+LAYERS: dict[str, set[str]] = {part: set(STACK[:i]) for i, part in enumerate(STACK)}
+LAYERS |= {part: set(STACK) for part in FEATURES}
+LAYERS["_diagnostics"] = {*STACK, *FEATURES}
+LAYERS["_cli"] = {*STACK, *FEATURES, "_diagnostics", "examples"}
+LAYERS["examples"] = set()
 # The public facade: hookax/__init__.py and __main__.py import anything; nothing imports them.
 FACADE = {"hookax", "hookax.__main__"}
 
