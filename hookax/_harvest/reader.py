@@ -78,6 +78,9 @@ class StoreReader:
       epochs: epochs to yield; ``None`` for no end.
       window_rows: rows read and shuffled together (rounded up to whole blocks). More mixes
         better and holds more memory; the whole store makes a full shuffle.
+      block_rows: rows of one block, the unit the order shuffles; default the largest chunk of
+        the names' arrays (a block that is part of a chunk reads the whole chunk). The order
+        depends on it: give it to read stores chunked differently in the same order.
       drop_remainder: leave out the last batch of an epoch when it is short (every batch has
         one shape: a jitted step compiles once).
       sharding: a ``jax.sharding.Sharding`` for every batch; default the first device.
@@ -116,6 +119,7 @@ class StoreReader:
         seed: int = 0,
         epochs: int | None = None,
         window_rows: int = WINDOW_ROWS,
+        block_rows: int | None = None,
         drop_remainder: bool = True,
         sharding: Any = None,
         prefetch: int = 4,
@@ -132,7 +136,8 @@ class StoreReader:
         self.window_rows, self.drop_remainder, self.sharding = window_rows, drop_remainder, sharding
         rows = self.store.rows
         self.steps_per_epoch = rows // batch_size if drop_remainder else -(-rows // batch_size)
-        block = max(self.store.chunk_rows(n) for n in self.names)
+        block = block_rows or max(self.store.chunk_rows(n) for n in self.names)
+        self.block_rows = block
         self._layout = _Windows(rows, block, max(1, -(-window_rows // block)), seed)
         self._arrays = {n: self.store.array(n) for n in self.names}
         self._lock = threading.Lock()
@@ -297,6 +302,7 @@ class StoreReader:
             "batch_size": self.batch_size,
             "rows": self.store.rows,
             "window_rows": self.window_rows,
+            "block_rows": self.block_rows,
             "names": list(self.names),
         }
 

@@ -161,3 +161,45 @@ def token_batches(
             tokens[r, : len(piece)] = piece
             mask[r, : len(piece)] = True
         yield tokens, mask
+
+
+class TokenBatches:
+    """:func:`token_batches` of a file read at once (errors come before any work), iterable
+    again; what ``hookax harvest --tokens`` runs on."""
+
+    def __init__(
+        self, path: str | Path, batch_size: int, seq_len: int | None, pad_id: int, limit: int | None
+    ) -> None:
+        self.path, self.pad_id, self.limit = str(path), pad_id, limit
+        self.batches = list(token_batches(path, batch_size=batch_size, seq_len=seq_len, pad_id=pad_id))
+        if limit is not None:
+            self.batches = self.batches[:limit]
+        self.shape = self.batches[0][0].shape
+
+    @property
+    def spec(self) -> str:
+        """The input spec of one batch's tokens (``i32[8,128]``)."""
+        return f"i32[{self.shape[0]},{self.shape[1]}]"
+
+    def describe(self) -> dict[str, Any]:
+        """What a store records about the batches (a resumed run must match it)."""
+        return {"tokens": Path(self.path).name, "pad_id": self.pad_id, "input": [self.spec]}
+
+    def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        return iter(self.batches)
+
+
+class TokenModel:
+    """``model(tokens)`` for batches ``(tokens, mask)``: a named callable (a store records what
+    ran)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __call__(self, tokens: Any, mask: Any) -> Any:
+        return self.model(tokens)
+
+
+def token_mask(tokens: Any, mask: Any) -> Any:
+    """Harvest's ``mask=`` for batches ``(tokens, mask)``: the batch's own mask."""
+    return mask
