@@ -102,8 +102,7 @@ def reader_read(reader: Any) -> float:
 
 
 def sae_init(key: jax.Array) -> dict[str, jax.Array]:
-    k1, k2 = jax.random.split(key)
-    w = jax.random.normal(k1, (D, D_SAE), jnp.float32) / np.sqrt(D)
+    w = jax.random.normal(key, (D, D_SAE), jnp.float32) / np.sqrt(D)
     return {"enc": w, "b": jnp.zeros(D_SAE), "dec": w.T, "b_dec": jnp.zeros(D)}
 
 
@@ -164,8 +163,10 @@ class MLP(nnx.Module):
 def layer_vs_forward(root: Path) -> tuple[float, float]:
     model = MLP(nnx.Rngs(0))
     rng = np.random.default_rng(0)
-    xs = [jnp.asarray(rng.normal(size=(LAYER_BATCH, WIDTH)), jnp.float32)
-          for _ in range(LAYER_BATCHES)]
+    xs = [
+        jnp.asarray(rng.normal(size=(LAYER_BATCH, WIDTH)), jnp.float32)
+        for _ in range(LAYER_BATCHES)
+    ]
     fwd = nnx.jit(lambda m, x: m(x))
 
     def forward() -> float:
@@ -200,9 +201,11 @@ def main() -> dict[str, Any]:
 def _main(root: Path) -> dict[str, Any]:
     store = make_store(root / "store")
     mb = store.rows * D * 2 / 1e6
-    print(f"store: {store.rows:,} rows of {D} bfloat16 ({mb:.0f} MB), chunks of "
-          f"{store.chunk_rows('out'):,} rows; reader batches of {BATCH}, window "
-          f"{hx.StoreReader(store, 'out', BATCH).window_rows:,} rows")
+    print(
+        f"store: {store.rows:,} rows of {D} bfloat16 ({mb:.0f} MB), chunks of "
+        f"{store.chunk_rows('out'):,} rows; reader batches of {BATCH}, window "
+        f"{hx.StoreReader(store, 'out', BATCH).window_rows:,} rows"
+    )
     plain: dict[str, list[float]] = {"cold": [], "warm": []}
     reader: dict[str, list[float]] = {"cold": [], "warm": []}
     endless = hx.StoreReader(store, "out", BATCH, seed=0)
@@ -214,10 +217,19 @@ def _main(root: Path) -> dict[str, Any]:
             out["cold"].append(fn(arg))
             out["warm"].append(fn(arg))
     endless.close()
-    med = {k: {c: statistics.median(v[c]) for c in v} for k, v in (("plain", plain),
-                                                                  ("reader", reader))}
-    rows = [(c, f"{med['plain'][c] / 1e6:.2f} M", f"{med['reader'][c] / 1e6:.2f} M",
-             f"{med['reader'][c] / med['plain'][c]:.2f}x") for c in ("cold", "warm")]
+    med = {
+        k: {c: statistics.median(v[c]) for c in v}
+        for k, v in (("plain", plain), ("reader", reader))
+    }
+    rows = [
+        (
+            c,
+            f"{med['plain'][c] / 1e6:.2f} M",
+            f"{med['reader'][c] / 1e6:.2f} M",
+            f"{med['reader'][c] / med['plain'][c]:.2f}x",
+        )
+        for c in ("cold", "warm")
+    ]
     print(table(rows, ("cache", "plain read rows/s", "reader rows/s", "reader / plain")))
 
     step, state = make_step()
@@ -238,14 +250,18 @@ def _main(root: Path) -> dict[str, Any]:
     endless_train.close()
     step_mem, step_fed = statistics.median(mem), statistics.median(fed)
     read_ms = BATCH / med["reader"]["warm"] * 1e3
-    print(f"\nSAE step ({D} -> {D_SAE}, batch {BATCH}, adam): {step_mem:.1f} ms on rows in "
-          f"memory, {step_fed:.1f} ms fed by the reader ({step_mem / step_fed:.2f}x "
-          f"throughput); reading a batch alone: {read_ms:.2f} ms")
+    print(
+        f"\nSAE step ({D} -> {D_SAE}, batch {BATCH}, adam): {step_mem:.1f} ms on rows in "
+        f"memory, {step_fed:.1f} ms fed by the reader ({step_mem / step_fed:.2f}x "
+        f"throughput); reading a batch alone: {read_ms:.2f} ms"
+    )
 
     layer_s, forward_s = layer_vs_forward(root)
-    print(f"\nharvest of layers/2 of {LAYERS} (unrolled, {LAYER_BATCHES} batches of "
-          f"{LAYER_BATCH}x{WIDTH}): {layer_s:.3f} s; full forward {forward_s:.3f} s "
-          f"({layer_s / forward_s:.2f}x)")
+    print(
+        f"\nharvest of layers/2 of {LAYERS} (unrolled, {LAYER_BATCHES} batches of "
+        f"{LAYER_BATCH}x{WIDTH}): {layer_s:.3f} s; full forward {forward_s:.3f} s "
+        f"({layer_s / forward_s:.2f}x)"
+    )
     return {
         "plain_read_rows_s": med["plain"],
         "reader_rows_s": med["reader"],

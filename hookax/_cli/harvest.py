@@ -29,7 +29,9 @@ def add_parser(sub: Any) -> None:
     c.add_argument("--batches", type=int, help="how many batches (random: 10, --tokens: all)")
     c.add_argument("--out", required=True, help="the store's folder")
     c.add_argument("--dtype", default=None, help="store floats as this dtype (bf16, f16, f32)")
-    c.add_argument("--row-axes", type=int, default=None, help="leading axes of each row (2: tokens)")
+    c.add_argument(
+        "--row-axes", type=int, default=None, help="leading axes of each row (2: tokens)"
+    )
     c.add_argument("--seed", type=int, default=0, help="seed of the random batches")
     c.add_argument("--overwrite", action="store_true", help="replace what --out holds")
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -60,18 +62,24 @@ def run(args: argparse.Namespace) -> None:
     tokens = None
     if args.tokens is not None:
         try:
-            tokens = TokenBatches(args.tokens, args.batch_size, args.seq_len, args.pad_id, args.batches)
+            tokens = TokenBatches(
+                args.tokens, args.batch_size, args.seq_len, args.pad_id, args.batches
+            )
         except HookaxError as e:
             raise _cli.UsageError(f"--tokens: {_cli._first_line(e)}") from None
         args.input = args.input or [tokens.spec]
     loaded = _cli.load_nnx_or_equinox(args, "harvest runs", linen=True)
     model, specs = loaded.model, loaded.args
     kwargs = _cli._concrete_kwargs(loaded.kwargs, args.seed)
-    model = _cli.bind_linen(model, random_inputs(specs, args.seed, loaded.int_high), kwargs, args.seed)
+    model = _cli.bind_linen(
+        model, random_inputs(specs, args.seed, loaded.int_high), kwargs, args.seed
+    )
     fn: Any = model
     if loaded.kwargs:  # the same keyword arguments for every batch
         fn = _Call(model, kwargs)
-    batches: Any = (random_inputs(specs, args.seed + i, loaded.int_high) for i in range(args.batches or 10))
+    batches: Any = (
+        random_inputs(specs, args.seed + i, loaded.int_high) for i in range(args.batches or 10)
+    )
     cli: dict[str, Any] = {"input": [_spec(s) for s in specs], "seed": args.seed}
     if tokens is not None:
         fn, batches, cli = TokenModel(fn), tokens, {**cli, **tokens.describe()}

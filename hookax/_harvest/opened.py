@@ -87,7 +87,8 @@ class ActivationStore:
 
     def __repr__(self) -> str:
         state = "" if self.complete else ", being written or interrupted"
-        return f"ActivationStore({str(self.path)!r}, {len(self.names)} arrays, {self.rows} rows{state})"
+        n = len(self.names)
+        return f"ActivationStore({str(self.path)!r}, {n} arrays, {self.rows} rows{state})"
 
 
 def open_store(path: str | Path) -> ActivationStore:

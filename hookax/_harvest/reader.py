@@ -101,6 +101,10 @@ def _take(window: Any, idx: Any) -> Any:
 _TAKE: Any = None
 
 
+def _slicer(v: np.ndarray) -> Any:
+    return lambda index: v[index]
+
+
 class _ChunkFiles:
     """Whole chunks of one array read straight from their files into the window's buffer.
 
@@ -134,7 +138,7 @@ class _ChunkFiles:
         self, blocks: np.ndarray, sizes: np.ndarray, rows: int, buffers: _Buffers
     ) -> np.ndarray:
         out = buffers.get((rows, *self.shape), self.dtype)
-        raw = memoryview(out.reshape(-1).view(np.uint8))
+        raw = memoryview(out.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         ends = np.cumsum([0, *(sizes * self.row_bytes).tolist()]).tolist()
         jobs = [
             _READERS.submit(self._read_chunk, int(k), raw[ends[i] : ends[i + 1]])
@@ -143,7 +147,6 @@ class _ChunkFiles:
         for job in jobs:
             job.result()
         return out
-
 
     def _read_chunk(self, k: int, view: memoryview) -> None:
         want = len(view)
@@ -293,8 +296,10 @@ class StoreReader:
                 windows = self._layout.order(epoch)
                 sizes = [int(self._layout.sizes(w).sum()) for w in windows]
                 hit = windows, np.cumsum([0, *sizes])
-                self._epoch_cache = {epoch: hit, **{k: v for k, v in self._epoch_cache.items()
-                                                    if k == epoch - 1}}
+                self._epoch_cache = {
+                    epoch: hit,
+                    **{k: v for k, v in self._epoch_cache.items() if k == epoch - 1},
+                }
         return hit
 
     def _read_window(self, epoch: int, j: int) -> tuple[dict[str, np.ndarray], np.ndarray]:
@@ -349,8 +354,12 @@ class StoreReader:
             if starts[j] >= hi:
                 break
             blocks = np.sort(windows[j])
-            rows = np.concatenate([np.arange(k * self._layout.block, k * self._layout.block + s)
-                                   for k, s in zip(blocks, self._layout.sizes(blocks))])
+            rows = np.concatenate(
+                [
+                    np.arange(k * self._layout.block, k * self._layout.block + s)
+                    for k, s in zip(blocks, self._layout.sizes(blocks))
+                ]
+            )
             perm = np.random.default_rng([self.seed, epoch, j]).permutation(len(rows))
             part = perm[max(lo - starts[j], 0) : hi - starts[j]]
             out.append(rows[part])
@@ -385,7 +394,7 @@ class StoreReader:
             for n in self.names:
                 host = [np.take(data[n], idx, axis=0) for data, idx in pieces]
                 v = host[0] if len(host) == 1 else np.concatenate(host)
-                out[n] = jax.make_array_from_callback(v.shape, self.sharding, lambda i, v=v: v[i])
+                out[n] = jax.make_array_from_callback(v.shape, self.sharding, _slicer(v))
         return out[self.names[0]] if self._single else out
 
     # -- iteration and state ---------------------------------------------------------------------

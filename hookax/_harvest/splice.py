@@ -46,12 +46,12 @@ def _jit(fn: Callable[..., Any], model: Any) -> Callable[..., Any]:
     if is_nnx_module(model):
         from flax import nnx
 
-        return nnx.jit(fn)  # type: ignore[no-any-return]
+        return nnx.jit(fn)
     try:
         import equinox as eqx
     except ImportError:
         return jax.jit(fn)
-    return eqx.filter_jit(fn)  # type: ignore[no-any-return]
+    return eqx.filter_jit(fn)
 
 
 def _total(value: Any) -> tuple[Any, Any]:
@@ -100,7 +100,8 @@ def splice_eval(
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(4, 4, rngs=nnx.Rngs(0)), nnx.Linear(4, 1, rngs=nnx.Rngs(1)))
+    >>> rngs = nnx.Rngs(0)
+    >>> model = nnx.Sequential(nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 1, rngs=rngs))
     >>> def loss_fn(model, x):
     ...     return ((model(x) - 1.0) ** 2).mean()
     >>> batches = [jnp.ones((8, 4)) * i for i in range(3)]
@@ -147,5 +148,5 @@ def splice_eval(
         raise HookaxError("hx.splice_eval: batches is empty: there is nothing to evaluate.")
     loss, spliced_loss, zero_loss = (sums / counts).tolist()
     gap = zero_loss - loss
-    recovered = (zero_loss - spliced_loss) / gap if gap != 0 else float("nan")
+    recovered = (zero_loss - spliced_loss) / gap + 0.0 if gap != 0 else float("nan")  # no -0.0
     return Splice(loss, spliced_loss, zero_loss, recovered, n)

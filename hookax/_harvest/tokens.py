@@ -171,7 +171,9 @@ class TokenBatches:
         self, path: str | Path, batch_size: int, seq_len: int | None, pad_id: int, limit: int | None
     ) -> None:
         self.path, self.pad_id, self.limit = str(path), pad_id, limit
-        self.batches = list(token_batches(path, batch_size=batch_size, seq_len=seq_len, pad_id=pad_id))
+        self.batches = list(
+            token_batches(path, batch_size=batch_size, seq_len=seq_len, pad_id=pad_id)
+        )
         if limit is not None:
             self.batches = self.batches[:limit]
         self.shape = self.batches[0][0].shape
