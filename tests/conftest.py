@@ -23,3 +23,24 @@ class TraceCounter:
 @pytest.fixture
 def traces() -> TraceCounter:
     return TraceCounter()
+
+
+# The slowest tests (by `pytest --durations`, on 2 cores) run in `make test-slow`, which CI runs
+# after `make test`, so `make test` stays under about 6 minutes. Node-id prefixes; the docs'
+# pages are doctests and cannot carry a decorator.
+SLOW = (
+    "docs/attention.md::",
+    "tests/test_ops.py::test_scanned_decoder_probabilities_edits_and_gradients",
+    "tests/test_ops.py::test_gradients_of_operations_equal_finite_differences",
+    "tests/test_transforms.py::test_no_tracer_leaks",
+    "tests/test_reliability_property.py::test_no_op_hooks_interceptors_and_capture_change_no_bit",
+    "tests/test_reliability_memory.py::",
+    "tests/test_harvest_procs.py::",
+    "tests/test_pickle.py::",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)

@@ -154,7 +154,7 @@ def test_not_a_store_and_rows_that_do_not_line_up(tmp_path):
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     model = w.make_model()
     x = w.host_batches(1)[0][:, 0]
-    with pytest.raises(hx.HookaxError, match="is not a hookax harvest store"):
+    with pytest.raises(hx.HookaxError, match="is a folder that is not a hookax store"):
         hx.harvest(model, [x], where="layers/*", store=tmp_path / "mine")
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     with pytest.raises(

@@ -18,12 +18,25 @@ from typing import Any
 __all__ = ["add_parser", "run"]
 
 HELP = "run a model over batches (random, or --tokens FILE) and store chosen layers' outputs"
+SAFETY = """\
+safety:
+  --out must be a new folder, an empty one, or a hookax store. Any other folder is refused
+  with its contents listed and every file left as it was; so are the current folder, the home
+  folder and the folders above them. --overwrite replaces only a hookax store that holds
+  nothing but what hookax wrote. An interrupted run keeps every committed batch: run the same
+  command again to resume after the last one."""
 
 
 def add_parser(sub: Any) -> None:
     from .common import add_model_arguments
 
-    c = sub.add_parser("harvest", help=HELP, description=HELP)
+    c = sub.add_parser(
+        "harvest",
+        help=HELP,
+        description=HELP,
+        epilog=SAFETY,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_model_arguments(c)  # the factory or --example, --input, --kw, --eval
     c.add_argument("--where", default=None, help='call sites to store: a path glob ("layers/*")')
     c.add_argument("--batches", type=int, help="how many batches (random: 10, --tokens: all)")
@@ -33,7 +46,11 @@ def add_parser(sub: Any) -> None:
         "--row-axes", type=int, default=None, help="leading axes of each row (2: tokens)"
     )
     c.add_argument("--seed", type=int, default=0, help="seed of the random batches")
-    c.add_argument("--overwrite", action="store_true", help="replace what --out holds")
+    c.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the hookax store at --out (never a folder hookax did not write)",
+    )
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
     c.add_argument("--tokens", help="batches of token ids from a .npy, .npz or .jsonl file")
     c.add_argument("--batch-size", type=int, default=8, help="with --tokens: sequences a batch")
@@ -101,10 +118,30 @@ def run(args: argparse.Namespace) -> None:
             progress=False if args.no_progress else None,
         )
     except HookaxError as e:
-        raise _cli.UsageError(_cli._first_line(e)) from None
+        raise _cli.UsageError(in_flags(_cli._first_line(e))) from None
     except Exception as e:
         raise _cli._rejected(e, loaded) from None
     _report(h)
+
+
+# hx.harvest's words for its arguments -> this command's flags
+_FLAGS = (
+    ("hx.harvest: ", ""),
+    ("overwrite=True", "--overwrite"),
+    ("store=PATH", "--out PATH"),
+    ("store=", "--out "),
+    ("where=", "--where "),
+    ("row_axes=", "--row-axes "),
+    ("row_axes", "--row-axes"),
+    ("dtype=", "--dtype "),
+)
+
+
+def in_flags(message: str) -> str:
+    """An error of ``hx.harvest`` in the words of the command line (its flags)."""
+    for python, flag in _FLAGS:
+        message = message.replace(python, flag)
+    return message
 
 
 class _Call:

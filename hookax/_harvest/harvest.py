@@ -160,7 +160,10 @@ def harvest(
       mask: ``mask(*batch) -> bool array`` of the row axes' shape: rows where it is False
         (padding) are not stored. Computed inside the jitted step.
       row_axes: how many leading axes of each output are rows (``mask``'s number of axes).
-      overwrite: delete what ``store`` holds first.
+      overwrite: replace the hookax store at ``store``. Only a hookax store holding nothing but
+        what hookax wrote, or an empty folder, is replaced; any other folder (and ``.``, the
+        home folder and the folders above them, whatever they hold) raises with every file
+        left as it was.
       metadata: JSON-serialisable data kept in the store's ``hookax.json`` (part of what a resumed
         run must match).
       progress: show a progress bar (rows, MB/s; needs ``rich``); default when stderr is a
@@ -194,13 +197,14 @@ def harvest(
     import jax
 
     from .step import Step, as_args, leaf_specs
-    from .store import META, Store, describe, import_tensorstore
+    from .store import META, Store, check_path, describe, import_tensorstore
     from .write import Writer, start_transfers
 
     import_tensorstore()
     if row_axes < 1:
         raise HookaxError(f"hx.harvest: row_axes must be at least 1, got {row_axes}")
     path = Path(store)
+    check_path(path, overwrite=overwrite)  # a folder hookax may not write: refused before any work
     it = iter(batches)
     first = next(it, None)
     if first is None:

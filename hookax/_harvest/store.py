@@ -38,10 +38,14 @@ from typing import Any
 
 from .._util.errors import HookaxError
 
-__all__ = ["FORMAT", "Store", "import_tensorstore"]
+__all__ = ["FORMAT", "Store", "check_path", "import_tensorstore"]
 
 FORMAT = "hookax.harvest/1"
 META = "hookax.json"
+MARKER = ".hookax-harvest"  # written first when a store is created
+# what hookax writes at the top of a store, besides one folder per stored array
+_OWN = {META, MARKER, "progress", "_source", "_batch_end"}
+_TMP = re.compile(r"^\..+\.\d+\.tmp$")  # _write_text's temporary files
 CHUNK_BYTES = 16 << 20  # the most bytes of one chunk
 PROGRESS_BYTES = 64  # the length of a progress file
 SEPARATOR = "."  # chunk keys c.0.0: a chunk is one file, not also a folder
@@ -173,11 +177,17 @@ class Store:
         itself (:mod:`hookax._harvest.chunks`) and prefers few large files.
         """
         meta_file = path / META
-        if path.exists() and overwrite and create:
-            shutil.rmtree(path)
-        if create and path.is_dir():  # files left by a process killed while replacing them
+        kind = check_path(path, overwrite=overwrite)  # before anything is touched
+        if create and kind == "store" and overwrite:
+            # Replace only what hookax wrote, the description first: from then on the folder is
+            # a store whose creation was interrupted (the marker stays), which a crash leaves
+            # for the next run to start again, never a half-deleted store that looks complete.
+            meta_file.unlink(missing_ok=True)
+            _remove_hookax_entries(path)
+        elif create and kind == "store":  # files left by a process killed while writing them
             for tmp in [*path.glob(".*.tmp"), *path.glob("progress/.*.tmp")]:
-                tmp.unlink(missing_ok=True)
+                if _TMP.match(tmp.name):
+                    tmp.unlink(missing_ok=True)
         if meta_file.exists():
             old = json.loads(meta_file.read_text())
             diff = _differences(old, desc)
@@ -191,16 +201,10 @@ class Store:
             return
         if not create:
             return
-        if path.exists() and any(path.iterdir()) and not (path / ".hookax-harvest").exists():
-            raise HookaxError(
-                f"hx.harvest: {str(path)!r} exists and is not a hookax harvest store (no "
-                f"{META}); nothing was written. Fix: give a new or empty store=PATH, or "
-                f"overwrite=True to delete what is there."
-            )
-        if path.exists():  # an earlier creation was interrupted: start again
-            shutil.rmtree(path)
-        path.mkdir(parents=True)
-        (path / ".hookax-harvest").touch()
+        if kind == "store":  # an earlier creation was interrupted: start again
+            _remove_hookax_entries(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / MARKER).touch()
         Store._create_arrays(path, desc, batch_rows * batches_per_chunk)
         _write_json(meta_file, {**desc, "batches": 0, "rows": 0, "complete": False})
 
@@ -316,7 +320,7 @@ class Store:
     def drop_other_progress(self, processes: int) -> None:
         """Remove progress files of processes that this run does not have."""
         for f in (self.path / "progress").glob("*.json"):
-            if not f.stem.isdigit() or int(f.stem) >= processes:
+            if f.stem.isdigit() and int(f.stem) >= processes:
                 f.unlink(missing_ok=True)
 
     # -- growth and the end of a run ----------------------------------------------------------
@@ -362,6 +366,85 @@ class Store:
         _write_json(self.path / META, done)
         self.meta = done
         shutil.rmtree(self.path / "progress", ignore_errors=True)
+
+
+def check_path(path: Path, *, overwrite: bool) -> str:
+    """What ``path`` is, for a harvest about to write there: ``"new"`` (absent), ``"empty"``,
+    ``"store"`` (a hookax store, holding only what hookax writes); anything else raises
+    :class:`HookaxError` naming the path and what is in it, with every file left as it was.
+
+    A folder that holds the current folder or the home folder (``.``, ``~``, ``/``) is refused
+    whatever it holds: a store is a folder of its own.
+    """
+    here, home = Path.cwd().resolve(), Path.home().resolve()
+    full = path.expanduser().resolve()
+    for name, place in (("the current folder", here), ("your home folder", home)):
+        if full == place or place.is_relative_to(full):
+            what = name if full == place else f"a folder above {name}"
+            raise HookaxError(
+                f"hx.harvest: store={str(path)!r} is {what}; a store is a folder of its own, "
+                f"and hookax never writes or deletes files there. Nothing was written. Fix: "
+                f"store={str(path / 'acts.zarr')!r} (a new folder)."
+            )
+    if not path.exists() and not path.is_symlink():
+        return "new"
+    if not path.is_dir():
+        raise HookaxError(
+            f"hx.harvest: store={str(path)!r} is a file, not a folder. Nothing was written. Fix: "
+            f"give the path of a new folder."
+        )
+    entries = sorted(p.name for p in path.iterdir())
+    if not entries:
+        return "empty"
+    if (path / MARKER).exists() or _is_store_meta(path / META):
+        foreign = [e for e in entries if not _hookax_entry(path, e)]
+        if not foreign or not overwrite:
+            return "store"
+        raise HookaxError(
+            f"hx.harvest: store={str(path)!r} is a hookax store that also holds files hookax "
+            f"did not write ({_listing(foreign)}); overwrite=True replaces only what hookax "
+            f"wrote, so nothing was deleted or written. Fix: move those files out, or give "
+            f"another store=PATH."
+        )
+    raise HookaxError(
+        f"hx.harvest: store={str(path)!r} is a folder that is not a hookax store (it holds "
+        f"{_listing(entries)}); hookax writes only into a new folder, an empty one, or a store "
+        f"of its own, and overwrite=True replaces only those. Nothing was written or deleted. "
+        f"Fix: give a new store=PATH (for example {str(path / 'acts.zarr')!r})."
+    )
+
+
+def _listing(names: list[str], most: int = 5) -> str:
+    shown = ", ".join(repr(n) for n in names[:most])
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return f"{len(names)} entr{'y' if len(names) == 1 else 'ies'}: {shown}{more}"
+
+
+def _is_store_meta(meta: Path) -> bool:
+    try:
+        return json.loads(meta.read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _hookax_entry(path: Path, name: str) -> bool:
+    """Whether ``path/name`` is something a hookax store holds: its description, marker,
+    progress, a temporary file of its own, or an array folder (a zarr v3 ``zarr.json``)."""
+    entry = path / name
+    if name in _OWN or _TMP.match(name):
+        return True
+    return entry.is_dir() and not entry.is_symlink() and (entry / "zarr.json").is_file()
+
+
+def _remove_hookax_entries(path: Path) -> None:
+    """Delete what hookax wrote in the store ``path`` (never anything else) but its marker."""
+    for entry in path.iterdir():
+        if entry.name == MARKER or not _hookax_entry(path, entry.name):
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def _spec(path: Path) -> dict[str, Any]:

@@ -266,11 +266,33 @@ def summary(
     from . import cost
     from .trace import describe_call
 
+    # 1. one abstract trace of the whole call, recording every call site
     whole = backend.trace_calls(model, args, kwargs, method=method, train=train)
-    records = whole.records
     colls = backend.collections(model, variables)
     trips = cost.site_trips(whole.traced.jaxpr.jaxpr)
-    records = _drop_discarded_traces(records, trips)
+    records = _drop_discarded_traces(whole.records, trips)
+    # 2. one row per call site: shapes, parameters, FLOPs
+    rows, activations = _rows(whole, records, trips, colls, variables, xla_memory)
+    # 3. the totals, then the table folded to ``depth``
+    totals = _totals(whole, colls, rows, activations, xla_memory)
+    return Summary(
+        fold(rows, depth),
+        totals,
+        model=type(model).__name__,
+        method=method,
+        inputs=describe_call(sig, args, kwargs),
+    )
+
+
+def _rows(
+    whole: Any,
+    records: list[Any],
+    trips: dict[int, int | None],
+    colls: Any,
+    variables: bool,
+    xla_memory: bool,
+) -> tuple[list[SummaryRow], int]:
+    """The rows of the recorded call sites, and the bytes of activations kept for backward."""
     cache: dict[Hashable, tuple[int | None, int | None]] = {}
     rows = []
     activations = 0
@@ -308,6 +330,13 @@ def summary(
                 same_as=same_as if reuse else None,
             )
         )
+    return rows, activations
+
+
+def _totals(
+    whole: Any, colls: Any, rows: list[SummaryRow], activations: int, xla_memory: bool
+) -> SummaryTotals:
+    """Parameters counted once, FLOPs of the whole call, and the memory of a training step."""
     p, b, state = colls.of(())
     memory = Memory(
         inputs=whole.input_bytes,
@@ -316,15 +345,8 @@ def summary(
         activations=activations,
         source="xla" if xla_memory else "residuals",
     )
-    totals = SummaryTotals(
+    return SummaryTotals(
         p, b, rows[0].flops, colls.shared_total(), rows[0].vjp_flops, state, memory
-    )
-    return Summary(
-        fold(rows, depth),
-        totals,
-        model=type(model).__name__,
-        method=method,
-        inputs=describe_call(sig, args, kwargs),
     )
 
 
