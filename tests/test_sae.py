@@ -385,3 +385,61 @@ def test_sharded_batches_gathered_on_the_host(store):
     for p, s in zip(plain, host, strict=True):
         assert s.sharding == sharding
         np.testing.assert_array_equal(np.asarray(s), np.asarray(p))
+
+
+EQX_FACTORY = """
+import equinox as eqx
+import jax
+
+class M(eqx.Module):
+    embed: eqx.nn.Embedding
+    lin: eqx.nn.Linear
+
+    def __init__(self):
+        k1, k2 = jax.random.split(jax.random.key(0))
+        self.embed = eqx.nn.Embedding(32, 4, key=k1)
+        self.lin = eqx.nn.Linear(4, 3, key=k2)
+
+    def __call__(self, tokens):
+        return jax.vmap(jax.vmap(self.lin))(jax.vmap(jax.vmap(self.embed))(tokens))
+
+def make():
+    return M()
+"""
+
+
+def test_cli_harvest_tokens_equinox_jsonl(tmp_path, capsys):
+    from hookax._cli.main import main
+
+    (tmp_path / "f.py").write_text(EQX_FACTORY)
+    seqs = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(s) + "\n" for s in seqs))
+    argv = [
+        "harvest",
+        f"{tmp_path / 'f.py'}:make",
+        "--tokens",
+        str(tmp_path / "t.jsonl"),
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "4",
+        "--where",
+        "lin",
+        "--out",
+        str(tmp_path / "s"),
+        "--no-progress",
+    ]
+    assert main(argv) == 0, capsys.readouterr().err
+    ns: dict = {}
+    exec(EQX_FACTORY, ns)
+    model = ns["make"]()
+    pieces = [[1, 2, 3], [4, 5, 6, 7], [8], [9]]
+    want = np.concatenate(
+        [
+            np.asarray(hx.capture(model, where="lin")(jnp.asarray([p]))[1]["lin"][0])[0]
+            for p in pieces
+        ]
+    )
+    s = hx.open_store(tmp_path / "s")
+    np.testing.assert_allclose(s.read("lin"), want, rtol=1e-6, atol=1e-6)
+    assert s.metadata["metadata"]["cli"]["tokens"] == "t.jsonl"
