@@ -176,9 +176,11 @@ class StoreReader:
     ``set_state()`` save and restore the position: a restored reader yields exactly the batches
     the saved one would have.
 
-    Memory: up to three windows of rows for every name (``window_rows`` rows each), plus
-    ``prefetch`` batches. The default window (131,072 rows) of 768 bfloat16 features is 201 MB
-    per name and window.
+    Memory: three windows of rows for every name (``window_rows`` rows each: the one served, the
+    next, and one read ahead or kept across a batch), and up to two more buffers kept for reuse,
+    plus ``prefetch`` batches. The default window (131,072 rows) of 768 bfloat16 features is
+    201 MB per name and window. On a CPU the windows are device arrays without a copy; on an
+    accelerator they are copied to its memory once each, and batches are gathered there.
 
     Args:
       store: a store's folder or an :class:`ActivationStore` (:func:`hookax.open_store`).
