@@ -443,3 +443,42 @@ def test_cli_harvest_tokens_equinox_jsonl(tmp_path, capsys):
     s = hx.open_store(tmp_path / "s")
     np.testing.assert_allclose(s.read("lin"), want, rtol=1e-6, atol=1e-6)
     assert s.metadata["metadata"]["cli"]["tokens"] == "t.jsonl"
+
+
+def _linen_and_equinox():
+    import equinox as eqx
+    import flax.linen as nn
+
+    class LinenMLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(1, name="out")(jnp.tanh(nn.Dense(4, name="hidden")(x)))
+
+    lin = LinenMLP()
+    variables = lin.init(jax.random.key(0), jnp.ones((1, 3)))
+
+    class EqxMLP(eqx.Module):
+        hidden: eqx.nn.Linear
+        out: eqx.nn.Linear
+
+        def __init__(self):
+            k1, k2 = jax.random.split(jax.random.key(0))
+            self.hidden, self.out = eqx.nn.Linear(3, 4, key=k1), eqx.nn.Linear(4, 1, key=k2)
+
+        def __call__(self, x):
+            return jax.vmap(self.out)(jnp.tanh(jax.vmap(self.hidden)(x)))
+
+    return [
+        (variables, lambda v, x: ((lin.apply(v, x) - 1.0) ** 2).mean()),
+        (EqxMLP(), lambda m, x: ((m(x) - 1.0) ** 2).mean()),
+    ]
+
+
+@pytest.mark.parametrize("case", [0, 1], ids=["linen", "equinox"])
+def test_splice_on_linen_and_equinox(case):
+    model, loss = _linen_and_equinox()[case]
+    xs = [jnp.full((5, 3), 0.5 * i + 0.1) for i in range(3)]
+    ident = hx.splice_eval(loss, model, xs, where="hidden", replace=lambda y: y)
+    zero = hx.splice_eval(loss, model, xs, where="hidden", replace=jnp.zeros_like)
+    assert (ident.recovered, zero.recovered) == (1.0, 0.0)
+    np.testing.assert_allclose(ident.loss, np.mean([float(loss(model, x)) for x in xs]), rtol=1e-6)
