@@ -482,3 +482,17 @@ def test_splice_on_linen_and_equinox(case):
     zero = hx.splice_eval(loss, model, xs, where="hidden", replace=jnp.zeros_like)
     assert (ident.recovered, zero.recovered) == (1.0, 0.0)
     np.testing.assert_allclose(ident.loss, np.mean([float(loss(model, x)) for x in xs]), rtol=1e-6)
+
+
+def test_gathers_compile_once_per_window_shape(store):
+    """Batches across a window's end split it anywhere; the gathers compile per window shape,
+    not per split."""
+    from hookax._harvest import reader as _reader
+
+    r = hx.StoreReader(store, "a", 7, seed=2, epochs=4, window_rows=16)  # windows 16, 16, 8
+    next(r)
+    take, take2 = _reader._TAKE._cache_size(), _reader._TAKE2._cache_size() if _reader._TAKE2 else 0
+    batches = [_ids(b) for b in r]
+    assert len(batches) == 4 * 5 - 1
+    assert _reader._TAKE._cache_size() - take <= 2  # 16-row and 8-row windows
+    assert _reader._TAKE2._cache_size() - take2 <= 3  # (16, 16), (16, 8), (8, 16)

@@ -88,17 +88,41 @@ class _Buffers:
         return raw[start : start + n].view(dtype).reshape(shape)
 
 
-def _take(window: Any, idx: Any) -> Any:
+def _take(window: Any, idx: np.ndarray) -> Any:
+    """Rows ``idx`` of a device window: one jitted gather (compiled once per window shape)."""
     import jax
     import jax.numpy as jnp
 
     global _TAKE
     if _TAKE is None:
         _TAKE = jax.jit(lambda w, i: jnp.take(w, i, axis=0, mode="clip"))
-    return _TAKE(window, idx)
+    return _TAKE(window, jnp.asarray(idx, jnp.int32))
+
+
+def _take2(first: Any, second: Any, a: np.ndarray, b: np.ndarray) -> Any:
+    """Rows ``a`` of ``first`` then rows ``b`` of ``second`` (a batch across a window's end).
+    Both gathers have the batch's length and a select joins them: the program's shapes do not
+    depend on where the window ends, so it compiles once per pair of window shapes."""
+    import jax
+    import jax.numpy as jnp
+
+    global _TAKE2
+    if _TAKE2 is None:
+
+        def both(w1: Any, w2: Any, i1: Any, i2: Any, n1: Any) -> Any:
+            rows = jnp.arange(i1.shape[0]) < n1
+            x1, x2 = jnp.take(w1, i1, axis=0, mode="clip"), jnp.take(w2, i2, axis=0, mode="clip")
+            return jnp.where(rows.reshape(-1, *[1] * (x1.ndim - 1)), x1, x2)
+
+        _TAKE2 = jax.jit(both)
+    n = len(a) + len(b)
+    i1, i2 = np.zeros(n, np.int32), np.zeros(n, np.int32)
+    i1[: len(a)], i2[len(a) :] = a, b
+    return _TAKE2(first, second, i1, i2, np.int32(len(a)))
 
 
 _TAKE: Any = None
+_TAKE2: Any = None
 
 
 def _slicer(v: np.ndarray) -> Any:
@@ -388,8 +412,13 @@ class StoreReader:
         if self._on_device:  # windows are on the device: one gather there
             out = {}
             for n in self.names:
-                parts = [_take(data[n], jnp.asarray(idx, jnp.int32)) for data, idx in pieces]
-                v = parts[0] if len(parts) == 1 else jnp.concatenate(parts)
+                if len(pieces) == 1:
+                    v = _take(pieces[0][0][n], pieces[0][1])
+                elif len(pieces) == 2:
+                    (d1, i1), (d2, i2) = pieces
+                    v = _take2(d1[n], d2[n], i1, i2)
+                else:  # windows smaller than a batch (compiles per piece length: slow)
+                    v = jnp.concatenate([_take(d[n], i) for d, i in pieces])
                 out[n] = v if self.sharding is None else jax.device_put(v, self.sharding)
         else:  # several processes: every process gathers the batch, and places its part
             out = {}
