@@ -165,7 +165,7 @@ class _ChunkFiles:
         raw = memoryview(out.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
         ends = np.cumsum([0, *(sizes * self.row_bytes).tolist()]).tolist()
         jobs = [
-            _READERS.submit(self._read_chunk, int(k), raw[ends[i] : ends[i + 1]])
+            _file_readers().submit(self._read_chunk, int(k), raw[ends[i] : ends[i + 1]])
             for i, k in enumerate(blocks.tolist())
         ]
         for job in jobs:
@@ -185,8 +185,19 @@ class _ChunkFiles:
             view[got:] = bytes(want - got)
 
 
-# reading chunk files (each blocks in its read; several keep the disk and the copies busy)
-_READERS = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="hookax-reader-files")
+_READERS: list[concurrent.futures.ThreadPoolExecutor] = []
+
+
+def _file_readers() -> concurrent.futures.ThreadPoolExecutor:
+    """The threads reading chunk files (each blocks in its read; four keep the disk and the
+    copies busy), shared by every reader, started by the first."""
+    with _READERS_LOCK:
+        if not _READERS:
+            _READERS.append(concurrent.futures.ThreadPoolExecutor(4, "hookax-reader-files"))
+        return _READERS[0]
+
+
+_READERS_LOCK = threading.Lock()
 
 
 class StoreReader:
