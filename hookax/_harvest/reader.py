@@ -230,7 +230,9 @@ class StoreReader:
         depends on it: give it to read stores chunked differently in the same order.
       drop_remainder: leave out the last batch of an epoch when it is short (every batch has
         one shape: a jitted step compiles once).
-      sharding: a ``jax.sharding.Sharding`` for every batch; default the first device.
+      sharding: a ``jax.sharding.Sharding`` for every batch; default the first device. With
+        several JAX processes every process builds the same reader: each reads the windows,
+        gathers every batch on the host and places its own part of it.
       prefetch: batches computed ahead of the caller.
       threads: grain's threads computing those batches.
 
