@@ -27,6 +27,12 @@ from ._engine.context import Context as Context
 from ._engine.select import Select as Select
 from ._engine.select import Selector as Selector
 from ._harvest.harvest import harvest as harvest
+from ._harvest.opened import ActivationStore as ActivationStore
+from ._harvest.opened import open_store as open_store
+from ._harvest.reader import StoreReader as StoreReader
+from ._harvest.splice import Splice as Splice
+from ._harvest.splice import splice_eval as splice_eval
+from ._harvest.tokens import token_batches as token_batches
 from ._hooks import hookrun as _hookrun  # noqa: F401 (fills the dispatcher's hooks slot)
 from ._hooks.grad import hook_grad as hook_grad
 from ._hooks.hooks import HookHandle as HookHandle
@@ -54,6 +60,7 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - a source tree that 
     __version__ = "0.0.0"
 
 __all__ = [
+    "ActivationStore",
     "Context",
     "GradFlow",
     "HookError",
@@ -67,7 +74,9 @@ __all__ = [
     "Select",
     "Selector",
     "SelectorError",
+    "Splice",
     "StaleTraceWarning",
+    "StoreReader",
     "Summary",
     "SummaryRow",
     "SummaryTotals",
@@ -81,6 +90,7 @@ __all__ = [
     "key_linen_interceptors",
     "layer_grad_norms",
     "named_scopes",
+    "open_store",
     "ops",
     "plot_grad_flow",
     "register_forward_hook",
@@ -88,7 +98,9 @@ __all__ = [
     "register_full_backward_hook",
     "register_full_backward_pre_hook",
     "remove_hooks",
+    "splice_eval",
     "summary",
+    "token_batches",
     "value_and_grad",
 ]
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 import hookax as hx
@@ -89,3 +90,13 @@ def test_two_processes_write_the_store_of_one(tmp_path):
     # one process writes chunks of up to 64 batches itself, two write one batch per chunk
     # through TensorStore: the same arrays, chunked differently
     assert_same_store(tmp_path / "one", tmp_path / "two", files=False)
+    # and hx.StoreReader gives the same batches of both (blocks of the two-process chunks)
+    block = hx.open_store(tmp_path / "two").chunk_rows("layers/2")
+    names = ["layers/0", "layers/2"]
+    one, two = (
+        hx.StoreReader(tmp_path / s, names, 7, seed=1, epochs=2, block_rows=block, window_rows=50)
+        for s in ("one", "two")
+    )
+    for a, b in zip(one, two, strict=True):
+        for n in names:
+            np.testing.assert_array_equal(np.asarray(a[n]), np.asarray(b[n]))

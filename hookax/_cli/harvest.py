@@ -17,7 +17,7 @@ from typing import Any
 
 __all__ = ["add_parser", "run"]
 
-HELP = "run a model over random batches and store chosen layers' outputs (zarr v3)"
+HELP = "run a model over batches (random, or --tokens FILE) and store chosen layers' outputs"
 SAFETY = """\
 safety:
   --out must be a new folder, an empty one, or a hookax store. Any other folder is refused
@@ -39,10 +39,12 @@ def add_parser(sub: Any) -> None:
     )
     add_model_arguments(c)  # the factory or --example, --input, --kw, --eval
     c.add_argument("--where", default=None, help='call sites to store: a path glob ("layers/*")')
-    c.add_argument("--batches", type=int, default=10, help="how many random batches")
+    c.add_argument("--batches", type=int, help="how many batches (random: 10, --tokens: all)")
     c.add_argument("--out", required=True, help="the store's folder")
     c.add_argument("--dtype", default=None, help="store floats as this dtype (bf16, f16, f32)")
-    c.add_argument("--row-axes", type=int, default=1, help="leading axes of each row (2: tokens)")
+    c.add_argument(
+        "--row-axes", type=int, default=None, help="leading axes of each row (2: tokens)"
+    )
     c.add_argument("--seed", type=int, default=0, help="seed of the random batches")
     c.add_argument(
         "--overwrite",
@@ -50,17 +52,22 @@ def add_parser(sub: Any) -> None:
         help="replace the hookax store at --out (never a folder hookax did not write)",
     )
     c.add_argument("--no-progress", action="store_true", help="no progress bar")
+    c.add_argument("--tokens", help="batches of token ids from a .npy, .npz or .jsonl file")
+    c.add_argument("--batch-size", type=int, default=8, help="with --tokens: sequences a batch")
+    c.add_argument("--seq-len", type=int, help="with --tokens: tokens a sequence (the longest)")
+    c.add_argument("--pad-id", type=int, default=0, help="with --tokens: the padding token id")
 
 
 def run(args: argparse.Namespace) -> None:
 
     from .._diagnostics.gradflow import random_inputs
     from .._harvest.harvest import harvest
+    from .._harvest.tokens import TokenBatches, TokenModel, token_mask
     from .._util.errors import HookaxError
     from .._util.specs import DTYPES
     from . import common as _cli
 
-    if args.batches < 1:
+    if args.batches is not None and args.batches < 1:
         raise _cli.UsageError(f"--batches takes an integer >= 1, got {args.batches}")
     dtype = None
     if args.dtype is not None:
@@ -69,14 +76,30 @@ def run(args: argparse.Namespace) -> None:
                 f"--dtype takes one of {', '.join(sorted(DTYPES))}, got {args.dtype!r}"
             )
         dtype = DTYPES[args.dtype]
-    loaded = _cli.load_nnx_or_equinox(args, "harvest runs")
+    tokens = None
+    if args.tokens is not None:
+        try:
+            tokens = TokenBatches(
+                args.tokens, args.batch_size, args.seq_len, args.pad_id, args.batches
+            )
+        except HookaxError as e:
+            raise _cli.UsageError(f"--tokens: {_cli._first_line(e)}") from None
+        args.input = args.input or [tokens.spec]
+    loaded = _cli.load_nnx_or_equinox(args, "harvest runs", linen=True)
     model, specs = loaded.model, loaded.args
+    kwargs = _cli._concrete_kwargs(loaded.kwargs, args.seed)
+    model = _cli.bind_linen(
+        model, random_inputs(specs, args.seed, loaded.int_high), kwargs, args.seed
+    )
     fn: Any = model
     if loaded.kwargs:  # the same keyword arguments for every batch
-        kwargs = _cli._concrete_kwargs(loaded.kwargs, args.seed)
         fn = _Call(model, kwargs)
-    batches = (random_inputs(specs, args.seed + i, loaded.int_high) for i in range(args.batches))
-    cli = {"input": [_spec(s) for s in specs], "seed": args.seed}
+    batches: Any = (
+        random_inputs(specs, args.seed + i, loaded.int_high) for i in range(args.batches or 10)
+    )
+    cli: dict[str, Any] = {"input": [_spec(s) for s in specs], "seed": args.seed}
+    if tokens is not None:
+        fn, batches, cli = TokenModel(fn), tokens, {**cli, **tokens.describe()}
     if args.kw:
         cli["kw"] = list(args.kw)
     if args.eval:
@@ -88,7 +111,8 @@ def run(args: argparse.Namespace) -> None:
             where=args.where,
             store=args.out,
             dtype=dtype,
-            row_axes=args.row_axes,
+            row_axes=args.row_axes or (2 if tokens is not None else 1),
+            mask=token_mask if tokens is not None else None,
             overwrite=args.overwrite,
             metadata={"cli": cli},
             progress=False if args.no_progress else None,
