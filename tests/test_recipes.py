@@ -20,7 +20,6 @@ def test_index_lists_every_page_once_and_links_resolve() -> None:
     index = (DOCS / "index.md").read_text()
     linked = LINK.findall(index)
     assert sorted(linked) == PAGES
-    assert len(PAGES) == 15
 
 
 @pytest.mark.parametrize("page", PAGES)
