@@ -43,6 +43,9 @@ class _Marker:
 
     sid: int
     selector: Any
+    # The dispatcher runs recorders outside every interceptor: a capture records what the
+    # caller received, whether the intercept block is inside or around the captured function.
+    records_output = True
 
     def __call__(self, next_fun: Callable[..., Any], args: tuple, kwargs: dict, ctx: Any) -> Any:
         live = _tags.live_session(self.sid)

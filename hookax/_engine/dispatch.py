@@ -86,13 +86,21 @@ def _run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dic
         return inner(*args, **kwargs)
     ctx = frame.context = _context.Context(frame, inner)
     chain = []
+    recorders: list[Any] | None = None
     ops: list[Any] | None = None
     tracking = _trackers()
     for e in entries:
         if e.kind == "intercept":
             hit = e.selector.matches(ctx)
             if hit:
-                chain.append(e)
+                if getattr(e.key, "records_output", False):
+                    # Captures record what the caller received: they run outside every
+                    # interceptor, whichever was entered first.
+                    if recorders is None:
+                        recorders = []
+                    recorders.append(e)
+                else:
+                    chain.append(e)
             if tracking:
                 _context.note_match(e, ctx, hit)
         elif e.kind == "ops":
@@ -101,6 +109,8 @@ def _run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dic
             ops.append(e)
             if tracking:
                 _context.note_match(e, ctx, e.selector.matches(ctx))
+    if recorders is not None:
+        chain = recorders + chain
     if ops is not None:
         # Operations inside call sites: every call site gets its name-stack scope, and the
         # method of one that an ops= pattern names runs under an OpTrace (``inner`` reads

@@ -111,6 +111,13 @@ class Tracker:
             self.seen.add((ctx.key, ctx.path_str))
 
 
+# Entries whose ``where=`` was checked in a block where it matched. A later block with an equal
+# entry whose matching call sites ran only inside an already-compiled jitted function (the Python
+# does not run on a cache hit) sees only the other call sites: it is not checked again. Weak: an
+# entry no block or JAX cache key holds anymore cannot be hit in a cache.
+_CHECKED: weakref.WeakSet[Entry] = weakref.WeakSet()
+
+
 @contextlib.contextmanager
 def tracked(entry: Entry, who: str, where: Any) -> Iterator[None]:
     """:func:`scoped`, raising ``SelectorError`` at the end of a block in which call sites ran
@@ -132,7 +139,9 @@ def tracked(entry: Entry, who: str, where: Any) -> Iterator[None]:
         mine.remove(tracker)
         if not mine:
             del _context.trackers()[entry]
-    if tracker.seen and not tracker.matched:
+    if tracker.matched:
+        _CHECKED.add(entry)
+    elif tracker.seen and entry not in _CHECKED:
         check_matched(who, where, entry.selector, tracker)
 
 
