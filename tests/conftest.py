@@ -30,6 +30,12 @@ def traces() -> TraceCounter:
 # pages are doctests and cannot carry a decorator.
 SLOW = (
     "docs/attention.md::",
+    "docs/sae.md::",
+    "docs/param_noise.md::",
+    "docs/gradients.md::",
+    "docs/gradcam.md::",
+    "tests/test_sae.py::test_cli_harvest_tokens",
+    "tests/test_harvest_safety.py::test_cli_overwrite_of_user_folders_and_dot",
     "tests/test_ops.py::test_scanned_decoder_probabilities_edits_and_gradients",
     "tests/test_ops.py::test_gradients_of_operations_equal_finite_differences",
     "tests/test_transforms.py::test_no_tracer_leaks",
