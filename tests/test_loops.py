@@ -1,4 +1,4 @@
-"""Loops of real LLMs: the checks of a block around a jit cache hit, and capture of edited values."""
+"""Loops of real LLMs: checks around a jit cache hit, and capture of edited values."""
 
 import jax
 import jax.numpy as jnp
