@@ -34,6 +34,7 @@ from ._harvest.splice import Splice as Splice
 from ._harvest.splice import splice_eval as splice_eval
 from ._harvest.tokens import token_batches as token_batches
 from ._hooks import hookrun as _hookrun  # noqa: F401 (fills the dispatcher's hooks slot)
+from ._hooks import layergate as _layergate  # noqa: F401 (one layer of a scan: the gate)
 from ._hooks.grad import hook_grad as hook_grad
 from ._hooks.hooks import HookHandle as HookHandle
 from ._hooks.hooks import hooks as hooks
