@@ -17,7 +17,7 @@ from .._engine import dispatch as _dispatch
 from .._transforms import layerindex as _layerindex
 from .._util.errors import HookaxError, SelectorError
 
-__all__ = ["gate", "layer_pred"]
+__all__ = ["check_in_scan", "gate", "layer_pred"]
 
 
 def _layer_of(frame: _context.Frame) -> Any:
@@ -29,10 +29,9 @@ def _layer_of(frame: _context.Frame) -> Any:
 _context.layer_of[0] = _layer_of
 
 
-def layer_pred(ctx: Any, layers: frozenset[int], dep: Any = None) -> Any:
-    """A traced bool: whether the scan iteration running ``ctx``'s call site is in ``layers``."""
-    frame = ctx._frame
-    if not frame.in_scan():
+def check_in_scan(ctx: Any, layers: frozenset[int]) -> None:
+    """Raise ``SelectorError`` when a layer suffix picks a call site that runs outside a scan."""
+    if not ctx._frame.in_scan():
         want = ", ".join(str(i) for i in sorted(layers))
         raise SelectorError(
             f"a layer suffix selects iteration(s) {want} of call site {ctx.key!r}, but it does "
@@ -40,6 +39,12 @@ def layer_pred(ctx: Any, layers: frozenset[int], dep: Any = None) -> Any:
             f"select it as {ctx.key!r}; layers of an unrolled stack have keys of their own "
             f"(e.g. 'blocks/3/attn')."
         )
+
+
+def layer_pred(ctx: Any, layers: frozenset[int], dep: Any = None) -> Any:
+    """A traced bool: whether the scan iteration running ``ctx``'s call site is in ``layers``."""
+    frame = ctx._frame
+    check_in_scan(ctx, layers)
     # A primitive of its own (not ctx.layer's): it carries the layers to check at compile time.
     idx = _layerindex.layer_index(frame.args if dep is None else dep, ctx.key, layers)
     if len(layers) == 1:

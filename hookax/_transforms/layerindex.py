@@ -142,9 +142,7 @@ def _jaxprs_in(params: dict) -> list[Any]:
     return out
 
 
-_HOLDS: weakref.WeakKeyDictionary[Any, tuple[bool, tuple[int, ...]]] = (
-    weakref.WeakKeyDictionary()
-)
+_HOLDS: weakref.WeakKeyDictionary[Any, tuple[bool, tuple[int, ...]]] = weakref.WeakKeyDictionary()
 
 
 def _holds(jaxpr: Any) -> tuple[bool, tuple[int, ...]]:
@@ -286,4 +284,3 @@ def _scan_with_iota(*args: Any, jaxpr: Any, length: int, **params: Any) -> Any:
     if "linear" in params:
         params = dict(params, linear=(*params["linear"], False))
     return loops.scan_p.bind(*args, iota, jaxpr=jaxpr, length=length, **params)
-
