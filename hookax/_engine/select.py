@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._util.errors import SelectorError
 from .context import path_str
@@ -170,8 +170,8 @@ class Select(Selector):
     types: Any = None
     paths: Any = None
     methods: Any = None
-    if TYPE_CHECKING:  # set in __post_init__: (glob, layers or None) per path
-        _parsed: tuple[tuple[str, frozenset[int] | None], ...]
+    # Set per instance in __post_init__: (glob, layers or None) per path. (Not a field.)
+    _parsed: ClassVar[tuple[tuple[str, frozenset[int] | None], ...]] = ()
 
     def __post_init__(self) -> None:
         types, paths, methods = _as_tuple(self.types), _as_tuple(self.paths), self.methods

@@ -55,9 +55,9 @@ def _jvp(primals: Any, tangents: Any, *, site: str, wanted: Any) -> Any:
 
 def _batch(args: Any, dims: Any, *, site: str, wanted: Any) -> Any:
     (dep,), (d,) = args, dims
-    if d is not batching.not_mapped:
+    if d is not None:
         dep = jax.lax.index_in_dim(dep, 0, d, keepdims=False)
-    return layer_index_p.bind(dep, site=site, wanted=wanted), batching.not_mapped
+    return layer_index_p.bind(dep, site=site, wanted=wanted), None  # not batched
 
 
 def _lower_alone(ctx: Any, dep: Any, *, site: str, wanted: Any) -> Any:
@@ -99,7 +99,7 @@ def select(pred: Any, on: Any, off: Any, site: str) -> Any:
     """``on`` where ``pred`` else ``off``, leaf by leaf; both trees must have one structure."""
     on_leaves, on_tree = jax.tree.flatten(on)
     off_leaves, off_tree = jax.tree.flatten(off)
-    if on_tree != off_tree:
+    if on_tree != off_tree:  # type: ignore[operator]
         raise HookaxError(
             f"hookax: the edit of one layer of call site {site!r} changed the structure of its "
             f"value ({on_tree} vs {off_tree}); every layer of a scan has one structure. Fix: "
@@ -168,10 +168,9 @@ def _holds(jaxpr: Any) -> tuple[bool, tuple[int, ...]]:
 _DEBUG = lu.DebugInfo("hookax", "<hookax layer index>", None, None)
 
 
-def _with_index(closed: Any, at: int | None = None) -> core.ClosedJaxpr:
-    """``closed`` with one more ``int32`` input (at ``at``, default last): the layer index."""
-    if isinstance(closed, core.Jaxpr):
-        closed = core.ClosedJaxpr(closed, ())
+def _with_index(jaxpr: Any, at: int | None = None) -> core.ClosedJaxpr:
+    """``jaxpr`` with one more ``int32`` input (at ``at``, default last): the layer index."""
+    closed = core.ClosedJaxpr(jaxpr, ()) if isinstance(jaxpr, core.Jaxpr) else jaxpr
     avals = [v.aval for v in closed.jaxpr.invars]
     at = len(avals) if at is None else at
     in_avals = [*avals[:at], core.ShapedArray((), np.dtype(np.int32)), *avals[at:]]
