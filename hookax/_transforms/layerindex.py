@@ -232,11 +232,11 @@ def _eval_eqn(eqn: Any, invals: list[Any], idx: Any) -> list[Any]:
         return list(p.bind(invals[0], *invals[1:], idx, **dict(params, branches=branches)))
     if p is loops.while_p:
         cn, bn = params["cond_nconsts"], params["body_nconsts"]
-        cond = _with_index(params["cond_jaxpr"], cn)
-        body = _with_index(params["body_jaxpr"], bn)
+        cond_j = _with_index(params["cond_jaxpr"], cn)
+        body_j = _with_index(params["body_jaxpr"], bn)
         cconsts, bconsts, init = invals[:cn], invals[cn : cn + bn], invals[cn + bn :]
         new = dict(
-            params, cond_jaxpr=cond, body_jaxpr=body, cond_nconsts=cn + 1, body_nconsts=bn + 1
+            params, cond_jaxpr=cond_j, body_jaxpr=body_j, cond_nconsts=cn + 1, body_nconsts=bn + 1
         )
         return list(p.bind(*cconsts, idx, *bconsts, idx, *init, **new))
     raise HookaxError(
