@@ -122,7 +122,21 @@ def current_trace() -> Any:
 # a scan; with traced bounds a while loop, whose lowering then reports the layer as unsupported).
 _SCAN_BODIES = frozenset({"scan", "fori_loop"})
 
-# Set by :mod:`hookax._transforms.layerindex`: ``fn(frame) -> traced int | None``.
+def _in_linen_scan_prepass() -> bool:
+    """Whether Linen's ``nn.scan`` is running its body under partial evaluation (a first pass
+    that finds the broadcast outputs; the scan itself follows)."""
+    import sys
+
+    f: Any = sys._getframe(2)
+    while f is not None:
+        code = f.f_code
+        if code.co_name == "scan_fn" and code.co_filename.endswith("axes_scan.py"):
+            return True
+        f = f.f_back
+    return False
+
+
+# Set by :mod:`hookax._hooks.layergate`: ``fn(frame) -> traced int | None``.
 layer_of: list[Callable[[Frame], Any]] = [lambda frame: None]
 
 
@@ -167,6 +181,8 @@ class Frame:
         while t is not None and t is not stop:
             info = getattr(getattr(t, "frame", None), "debug_info", None)
             if getattr(info, "traced_for", None) in _SCAN_BODIES:
+                return True
+            if type(t).__name__ == "JaxprTrace" and _in_linen_scan_prepass():
                 return True
             t = getattr(t, "parent_trace", None)
         return False
