@@ -111,7 +111,7 @@ def check_glob(pattern: str) -> None:
         )
 
 
-_LAYERS = re.compile(r"^(.*)\[([0-9:, ]+)\]$")
+_LAYERS = re.compile(r"^(.*[^\]])\[([^\[\]]*)\]$")
 
 
 def split_layers(pattern: str) -> tuple[str, frozenset[int] | None]:
