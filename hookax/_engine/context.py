@@ -122,6 +122,7 @@ def current_trace() -> Any:
 # a scan; with traced bounds a while loop, whose lowering then reports the layer as unsupported).
 _SCAN_BODIES = frozenset({"scan", "fori_loop"})
 
+
 def _in_linen_scan_prepass() -> bool:
     """Whether Linen's ``nn.scan`` is running its body under partial evaluation (a first pass
     that finds the broadcast outputs; the scan itself follows)."""
