@@ -332,3 +332,16 @@ def test_errors_name_the_call_site_and_the_fix():
     from hookax._engine import context
 
     assert context.active_entries() == ()
+
+
+def test_harvest_of_one_layer_stores_that_layer(tmp_path):
+    model = Scanned()
+    batches = [X, X * 2]
+    one = hx.harvest(model, batches, where="blocks/mlp[2]", store=tmp_path / "one.zarr")
+    assert one.names == ("blocks/mlp[2]",)
+    hx.harvest(model, batches, where="blocks/mlp", store=tmp_path / "all.zarr")
+    every = hx.open_store(tmp_path / "all.zarr")
+    assert every.names == tuple(f"blocks/mlp[{i}]" for i in range(N))
+    got = hx.open_store(tmp_path / "one.zarr").read("blocks/mlp[2]")
+    np.testing.assert_array_equal(got, every.read("blocks/mlp[2]"))
+    assert got.shape == (4, 4)
