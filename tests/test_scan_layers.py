@@ -345,3 +345,29 @@ def test_harvest_of_one_layer_stores_that_layer(tmp_path):
     got = hx.open_store(tmp_path / "one.zarr").read("blocks/mlp[2]")
     np.testing.assert_array_equal(got, every.read("blocks/mlp[2]"))
     assert got.shape == (4, 4)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_forward_hooks_on_one_layer(mode):
+    model = Scanned()
+    w, b = _kernels(model)
+    f = {"eager": lambda m, x: m(x), "jax.jit": jax.jit(lambda m, x: m(x))}.get(mode) or nnx.jit(
+        lambda m, x: m(x)
+    )
+    post = hx.register_forward_hook(model, lambda m, a, out: out + 1.5, where="blocks/mlp[3]")
+    pre = hx.register_forward_pre_hook(model, lambda m, a: (a[0] * 0.5,), where="blocks/mlp[1]")
+    with post, pre:
+        y = f(model, X)
+    want = unrolled(w, b, X, _on({3}), pre=lambda i, h: h * 0.5 if i == 1 else h)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(f(model, X), unrolled(w, b, X), rtol=1e-5, atol=1e-6)
+    # The scoped form.
+    with hx.hooks(forward=lambda m, a, out: out + 1.5, where="blocks/mlp[0,4]"):
+        y = f(model, X)
+    np.testing.assert_allclose(y, unrolled(w, b, X, _on({0, 4})), rtol=1e-5, atol=1e-6)
+
+
+def test_backward_hooks_of_one_layer_are_refused():
+    model = Scanned()
+    with pytest.raises(hx.SelectorError, match="backward hooks of one layer"):
+        hx.register_full_backward_hook(model, lambda m, gi, go: None, where="blocks/mlp[3]")

@@ -60,7 +60,7 @@ class _Marker:
         if self.selector.has_layers():
             layers = self.selector.layers(ctx)
             if layers is not None:
-                _layergate.check_in_scan(ctx, layers)
+                _layergate.check_in_scan(ctx._frame, layers)
                 key = f"{ctx.key}[{','.join(map(str, sorted(layers)))}]"
                 if live is not None:
                     live.layered[key] = (ctx.key, tuple(sorted(layers)))

@@ -17,7 +17,7 @@ from .._engine import dispatch as _dispatch
 from .._transforms import layerindex as _layerindex
 from .._util.errors import HookaxError, SelectorError
 
-__all__ = ["check_in_scan", "gate", "layer_pred"]
+__all__ = ["check_in_scan", "gate", "layer_pred", "select"]
 
 
 def _layer_of(frame: _context.Frame) -> Any:
@@ -29,34 +29,40 @@ def _layer_of(frame: _context.Frame) -> Any:
 _context.layer_of[0] = _layer_of
 
 
-def check_in_scan(ctx: Any, layers: frozenset[int]) -> None:
+def check_in_scan(frame: _context.Frame, layers: frozenset[int]) -> None:
     """Raise ``SelectorError`` when a layer suffix picks a call site that runs outside a scan."""
-    if not ctx._frame.in_scan():
+    if not frame.in_scan():
         want = ", ".join(str(i) for i in sorted(layers))
         raise SelectorError(
-            f"a layer suffix selects iteration(s) {want} of call site {ctx.key!r}, but it does "
-            f"not run inside a scan (nnx.scan, nn.scan, lax.scan), so it has no layers. Fix: "
-            f"select it as {ctx.key!r}; layers of an unrolled stack have keys of their own "
-            f"(e.g. 'blocks/3/attn')."
+            f"a layer suffix selects iteration(s) {want} of call site {frame.key!r}, but it "
+            f"does not run inside a scan (nnx.scan, nn.scan, lax.scan), so it has no layers. "
+            f"Fix: select it as {frame.key!r}; layers of an unrolled stack have keys of their "
+            f"own (e.g. 'blocks/3/attn')."
         )
 
 
-def layer_pred(ctx: Any, layers: frozenset[int], dep: Any = None) -> Any:
-    """A traced bool: whether the scan iteration running ``ctx``'s call site is in ``layers``."""
-    frame = ctx._frame
-    check_in_scan(ctx, layers)
+def layer_pred(frame: _context.Frame, layers: frozenset[int], dep: Any) -> Any:
+    """A traced bool: whether the scan iteration running ``frame``'s call is in ``layers``.
+
+    ``dep`` is a value of the call (its arguments): see :func:`layerindex.layer_index`."""
+    check_in_scan(frame, layers)
     # A primitive of its own (not ctx.layer's): it carries the layers to check at compile time.
-    idx = _layerindex.layer_index(frame.args if dep is None else dep, ctx.key, layers)
+    idx = _layerindex.layer_index(dep, frame.key, layers)
     if len(layers) == 1:
         return idx == next(iter(layers))
     return jnp.isin(idx, jnp.asarray(sorted(layers), jnp.int32))
+
+
+def select(frame: _context.Frame, pred: Any, edited: Any, plain: Any) -> Any:
+    """``edited`` in the selected layers, ``plain`` in the others."""
+    return _layerindex.select(pred, edited, plain, frame.key)
 
 
 def gate(interceptor: Callable[..., Any], layers: frozenset[int]) -> Callable[..., Any]:
     """``interceptor``, applied to the scan iterations ``layers`` of each call site it meets."""
 
     def gated(next_fun: Callable[..., Any], args: tuple, kwargs: dict, ctx: Any) -> Any:
-        pred = layer_pred(ctx, layers)
+        pred = layer_pred(ctx._frame, layers, (args, kwargs))
         plain: list[Any] = []
 
         def step(*a: Any, **k: Any) -> Any:
