@@ -195,3 +195,23 @@ def test_short_source_paths(monkeypatch, tmp_path):
     assert _short_path(other) == os.path.join("scripts", "run.py")  # else from the cwd
     site = os.path.join("/x", "lib", "site-packages", "flax", "nnx", "a.py")
     assert _short_path(site) == os.path.join("flax", "nnx", "a.py")
+
+
+class ZMQInteractiveShell:  # what rich takes for a Jupyter kernel
+    pass
+
+
+def test_str_is_the_text_inside_a_jupyter_kernel(monkeypatch):
+    import builtins
+
+    from rich.console import Console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    model, inputs = _transformer()
+    s = hx.summary(model, *inputs)
+    ops = hx.ops(model, *inputs)
+    before = str(s), str(ops)
+    monkeypatch.setattr(builtins, "get_ipython", ZMQInteractiveShell, raising=False)
+    assert Console(file=io.StringIO()).is_jupyter  # rich would send the table elsewhere
+    assert (str(s), str(ops)) == before
+    assert str(s).startswith("Decoder(i32[2,32])\n┏━") and len(str(ops).splitlines()) > 100
