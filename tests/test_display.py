@@ -146,8 +146,9 @@ def test_too_narrow_runs_past_the_edge_rather_than_cutting():
 
 def test_boxed_when_it_fits_rules_otherwise():
     grid = Grid("T", ("A", "B"), [("x", "1")], numeric=frozenset({1}))
+    grid = Grid("T", ("A", "Count"), [("x", "1")], numeric=frozenset({1}))
     assert grid.text() == "\n".join(
-        ["T", "┏━━━┳━━━┓", "┃ A ┃ B ┃", "┡━━━╇━━━┩", "│ x │ 1 │", "└───┴───┘"]
+        ["T", "┏━━━┳━━━━━━━┓", "┃ A ┃ Count ┃", "┡━━━╇━━━━━━━┩", "│ x │     1 │", "└───┴───────┘"]
     )
     lines = Grid("T", ("A", "B"), [("x", "1"), Line("span over")]).text()
     assert lines == "T\nA  B\n────\nx  1\nspan over"
@@ -215,3 +216,94 @@ def test_str_is_the_text_inside_a_jupyter_kernel(monkeypatch):
     assert Console(file=io.StringIO()).is_jupyter  # rich would send the table elsewhere
     assert (str(s), str(ops)) == before
     assert str(s).startswith("Decoder(i32[2,32])\n┏━") and len(str(ops).splitlines()) > 100
+
+
+def test_notebook_html_of_summary_and_ops():
+    model, inputs = _transformer()
+    s = hx.summary(model, *inputs)
+    page = s._repr_html_()
+    assert page.count("<tr") == 1 + len(s.rows) + 1  # the header, the rows, the total
+    assert "<b>Decoder(i32[2,32])</b>" in page and "<td" in page
+    assert "<p>Total parameters: 115,520 (451.25 KiB)" in page
+    ops = hx.ops(model, *inputs)
+    page = ops._repr_html_()
+    assert page.count("<tr") == 1 + len(ops.rows)  # the wide table: every address in full
+    assert ">layers/0/attn:softmax</td>" in page or ">layers/0/attn:tril</td>" in page
+
+
+def _flow() -> hx.GradFlow:
+    return hx.GradFlow(
+        {"layers/0": 0.0123456789, "layers/1": 1234.5678, "act": 0.0},
+        {"layers/0": (1.23456e-5, 0.5), "layers/1": (2.0, float("nan"))},
+    )
+
+
+def test_grad_flow_reads_as_a_table(monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    flow = _flow()
+    assert repr(flow) == (
+        "<hx.GradFlow: 3 call sites, 2 with parameters; ‖∂loss/∂output‖₂ 0 to 1235>"
+    )
+    rows = [line.strip("│ ").split(" │ ") for line in str(flow).splitlines()[4:-1]]
+    assert [[c.strip() for c in row] for row in rows] == [
+        ["layers/0", "0.01235", "1.235e-05", "0.5"],
+        ["layers/1", "1235", "2", "nan"],
+        ["act", "0", "-", "-"],
+    ]
+    assert str(flow).splitlines()[0] == "Gradient flow: 3 call sites, 2 with parameters"
+
+
+def test_grad_flow_shows_its_figure_in_a_notebook():
+    import base64
+
+    import matplotlib.figure
+
+    flow = _flow()
+    page = flow._repr_html_()
+    assert page.startswith('<img src="data:image/png;base64,')
+    data = base64.b64decode(page.split("base64,", 1)[1].split('"', 1)[0])
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    assert flow.grid().html() in page  # and the table below it
+    fig = hx.plot_grad_flow(flow)
+    assert isinstance(fig, matplotlib.figure.Figure)  # still a Figure: savefig, axes, ...
+    assert fig._repr_png_().startswith(b"\x89PNG")
+    assert "matplotlib.pyplot" not in sys.modules or not _in_pyplot(fig)
+
+
+def _in_pyplot(fig) -> bool:
+    import matplotlib.pyplot as plt
+
+    return any(plt.figure(n) is fig for n in plt.get_fignums())
+
+
+class Twice(nnx.Module):
+    def __init__(self):
+        self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.lin(self.lin(x))
+
+
+def test_show_gives_shapes_and_statistics_of_a_capture():
+    import jax.numpy as jnp
+    import numpy as np
+
+    x = jnp.arange(6.0).reshape(2, 3)
+    _, acts = hx.capture(Twice())(x)
+    table = hx.show(acts)
+    assert [r.name for r in table.rows] == ["(model)", "lin#0", "lin#1"]
+    values = [acts[""][0], *acts["lin"]]
+    for row, value in zip(table.rows, values, strict=True):
+        a = np.asarray(value, np.float64)
+        assert (row.shape, row.dtype) == ((2, 3), "float32")
+        assert (row.mean, row.std, row.min, row.max) == (a.mean(), a.std(), a.min(), a.max())
+    assert repr(table) == "<hx.Values: 3 arrays>"
+    assert table._repr_html_().count("<tr") == 1 + 3
+    text = str(table)
+    assert f"{table.rows[1].mean:.4g}" in text and "f32[2,3]" in text
+    # any pytree: rows named by their paths; abstract values have no statistics
+    other = hx.show({"a": [jnp.ones(2), jax.ShapeDtypeStruct((4,), jnp.bfloat16)]})
+    assert [(r.name, r.shape, r.mean) for r in other.rows] == [
+        ("a/0", (2,), 1.0),
+        ("a/1", (4,), None),
+    ]

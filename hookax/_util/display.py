@@ -114,7 +114,8 @@ def wrap(
     """The lines of ``text`` at most ``width`` wide, broken only between :func:`pieces`.
 
     A line's leading spaces are kept on its continuation lines, plus ``hang`` more. Only a
-    piece wider than the whole width is cut (a width below :func:`min_width`).
+    piece wider than the whole width is cut (a width below :func:`min_width`). ``cut``:
+    :func:`pieces_of` of ``text``, when already computed.
 
     >>> wrap("  layers/0/mlp/gate", 12)
     ['  layers/0/', '   mlp/gate']
@@ -129,9 +130,9 @@ def wrap(
                 out.append(line.rstrip())
                 line = lead + " " * hang + piece
             while len(line.rstrip()) > width:  # one piece wider than the column
-                cut = max(width, len(lead) + hang + 1)
-                out.append(line[:cut])
-                line = lead + " " * hang + line[cut:]
+                at = max(width, len(lead) + hang + 1)
+                out.append(line[:at])
+                line = lead + " " * hang + line[at:]
         out.append(line.rstrip())
     return out
 
@@ -179,9 +180,7 @@ def fit(columns: Sequence[Sequence[str]], minimum: Sequence[int], room: int) -> 
 
     while sum(widths) > room:
         costs = [
-            (lines(i, w - 1) - lines(i, w), -w, i)
-            for i, w in enumerate(widths)
-            if w > minimum[i]
+            (lines(i, w - 1) - lines(i, w), -w, i) for i, w in enumerate(widths) if w > minimum[i]
         ]
         if not costs:
             break
@@ -300,7 +299,12 @@ class Grid:
             assert not isinstance(row, Line)
             if r in self.sections and r:
                 t.add_section()
-            t.add_row(*(Text(c, no_wrap=True, overflow="ignore") for c in row))
+            t.add_row(
+                *(
+                    Text(c, justify="right" if i in self.numeric else "left", no_wrap=True)
+                    for i, c in enumerate(row)
+                )
+            )
         return t
 
     def _lines(self, widths: list[int], width: int, color: bool) -> Iterator[Any]:
@@ -332,8 +336,10 @@ class Grid:
                 text = "\n".join(wrap(row.text, max(width, drawn), 2))
                 yield Text(text, style=row.style if color else "", no_wrap=True, overflow="ignore")
                 continue
-            cells = [[c] if i in self.numeric else wrap(c, w) for i, (c, w) in enumerate(
-                zip(row, widths))]
+            cells = [
+                [c] if i in self.numeric else wrap(c, w)
+                for i, (c, w) in enumerate(zip(row, widths))
+            ]
             yield from join(cells)
 
     def __rich_console__(self, console: Any, options: Any) -> Iterator[Any]:
