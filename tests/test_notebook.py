@@ -8,6 +8,7 @@ the whole notebook once (``make test-slow``); nbformat, nbclient and ipykernel a
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -36,6 +37,11 @@ x = jax.random.normal(jax.random.key(0), (8, 784))
     "gradflow": "flow = hx.grad_flow(net, x)\nflow",
     "figure": "hx.plot_grad_flow(flow)",
     "reprs": "print(repr(s)); print(repr(flow))",
+    "harvest": """
+import tempfile
+h = hx.harvest(net, [x, x, x], where="layers/0", store=tempfile.mkdtemp() + "/acts")
+h
+""",
 }
 
 
@@ -104,3 +110,14 @@ def test_reprs_are_one_line(executed):
     )
     assert lines[1].startswith("<hx.GradFlow: 3 call sites, 3 with parameters; ‖∂loss/∂output‖₂ ")
     assert len(lines) == 2
+
+
+def test_harvest_shows_progress_and_leaves_its_final_line_in_the_saved_file(executed):
+    pytest.importorskip("tensorstore")
+    err = "".join(o.text for o in executed["harvest"] if o.output_type == "stream")
+    assert "harvest: " + "█" * 20 + " 100% batch 3/3, 24 rows" in err  # the line in place
+    final = err.split("\r")[-1]
+    assert final.endswith("\n") and final.count("\n") == 1
+    assert re.fullmatch(r"harvest: 3 batches, 24 rows, .* MB/s\) -> .+/acts *\n", final), final
+    result = _data(executed["harvest"])["text/plain"]
+    assert result.startswith("<hx.Harvest '") and "\n" not in result
