@@ -20,6 +20,8 @@ from ._diagnostics.gradflow import GradFlow as GradFlow
 from ._diagnostics.gradflow import grad_flow as grad_flow
 from ._diagnostics.gradflow import layer_grad_norms as layer_grad_norms
 from ._diagnostics.gradflow import plot_grad_flow as plot_grad_flow
+from ._diagnostics.values import Values as Values
+from ._diagnostics.values import show as show
 from ._engine.adapters import StaleTraceWarning as StaleTraceWarning
 from ._engine.adapters import ensure_installed as _ensure_installed
 from ._engine.adapters import key_linen_interceptors as key_linen_interceptors
@@ -81,6 +83,7 @@ __all__ = [
     "Summary",
     "SummaryRow",
     "SummaryTotals",
+    "Values",
     "capture",
     "grad_flow",
     "harvest",
@@ -99,6 +102,7 @@ __all__ = [
     "register_full_backward_hook",
     "register_full_backward_pre_hook",
     "remove_hooks",
+    "show",
     "splice_eval",
     "summary",
     "token_batches",

@@ -458,8 +458,12 @@ def _summary(args: argparse.Namespace) -> None:
     except Exception as e:
         raise _rejected(e, loaded) from None
     fmt = "json" if args.json else args.format
-    text = {"json": s.to_json, "markdown": s.to_markdown, "table": s.__str__}[fmt]()
-    print(text)
+    if fmt == "table":  # at the terminal's width, in colour on a terminal
+        from .._util.display import echo
+
+        echo(s.__rich__())
+        return
+    print(s.to_json() if fmt == "json" else s.to_markdown())
 
 
 register(

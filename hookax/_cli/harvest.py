@@ -94,9 +94,7 @@ def run(args: argparse.Namespace) -> None:
     fn: Any = model
     if loaded.kwargs:  # the same keyword arguments for every batch
         fn = _Call(model, kwargs)
-    batches: Any = (
-        random_inputs(specs, args.seed + i, loaded.int_high) for i in range(args.batches or 10)
-    )
+    batches: Any = _Random(specs, args.seed, loaded.int_high, args.batches or 10)
     cli: dict[str, Any] = {"input": [_spec(s) for s in specs], "seed": args.seed}
     if tokens is not None:
         fn, batches, cli = TokenModel(fn), tokens, {**cli, **tokens.describe()}
@@ -121,7 +119,9 @@ def run(args: argparse.Namespace) -> None:
         raise _cli.UsageError(in_flags(_cli._first_line(e))) from None
     except Exception as e:
         raise _cli._rejected(e, loaded) from None
-    _report(h)
+    from .._harvest.progress import shown
+
+    _report(h, final_line_shown=shown(False if args.no_progress else None))
 
 
 # hx.harvest's words for its arguments -> this command's flags
@@ -144,6 +144,23 @@ def in_flags(message: str) -> str:
     return message
 
 
+class _Random:
+    """``n`` batches of random inputs for ``specs``, made one at a time (a length: the progress
+    bar's total)."""
+
+    def __init__(self, specs: tuple[Any, ...], seed: int, int_high: int, n: int) -> None:
+        self.specs, self.seed, self.int_high, self.n = specs, seed, int_high, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        from .._diagnostics.gradflow import random_inputs
+
+        for i in range(self.n):
+            yield random_inputs(self.specs, self.seed + i, self.int_high)
+
+
 class _Call:
     """``model(*batch, **kwargs)``: a named callable (a store records what ran; a lambda's
     name would do too, but says less)."""
@@ -161,17 +178,15 @@ def _spec(s: Any) -> str:
     return format_spec(tuple(s.shape), s.dtype)
 
 
-def _report(h: Any) -> None:
+def _report(h: Any, final_line_shown: bool) -> None:
+    """What was stored (``(model)`` for the model's own output), and the run in one line unless
+    the progress already ended with it (one set of figures, one throughput)."""
     import json
 
     meta = json.loads((h.store / "hookax.json").read_text())
-    width = max(len(n) for n in h.names)
-    for name in h.names:
+    names = {name: name or "(model)" for name in h.names}
+    width = max(len(n) for n in names.values())
+    for name, shown in names.items():
         a = meta["arrays"][name]
-        print(f"{name:<{width}}  {a['dtype']}[{h.rows},{','.join(map(str, a['shape']))}]")
-    rate = h.bytes / 1e6 / max(h.seconds, 1e-9)
-    resumed = f", resumed at batch {h.resumed_at}" if h.resumed_at else ""
-    print(
-        f"wrote {h.store}: {h.batches} batches, {h.rows:,} rows, {h.bytes / 1e6:.1f} MB in "
-        f"{h.seconds:.1f} s ({rate:.3g} MB/s{resumed})"
-    )
+        print(f"{shown:<{width}}  {a['dtype']}[{h.rows},{','.join(map(str, a['shape']))}]")
+    print(f"wrote {h.store}" + ("" if final_line_shown else f": {h.describe()}"))

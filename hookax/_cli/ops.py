@@ -38,7 +38,12 @@ def run(args: argparse.Namespace) -> None:
         raise UsageError(f"--where {args.where!r}: {_first_line(e)}") from None
     except Exception as e:
         raise _rejected(e, loaded) from None
-    print(table.to_json() if args.format == "json" else table)
+    if args.format == "json":
+        print(table.to_json())
+    else:
+        from .._util.display import echo
+
+        echo(table.grid())
 
 
 def _abstract_call(model: Any, inputs: tuple, kwargs: dict, eval_mode: bool) -> tuple[Any, tuple]:

@@ -11,9 +11,8 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,22 @@ class Harvest:
     resumed_at: int
     bytes: int
     seconds: float
+
+    def describe(self) -> str:
+        """``"100 batches, 51,200 rows, 52.4 MB in 3.2 s (16.4 MB/s)"``: the run in one line
+        (the throughput is of the bytes this run wrote, over its whole time)."""
+        rate = self.bytes / 1e6 / max(self.seconds, 1e-9)
+        resumed = f", resumed at batch {self.resumed_at}" if self.resumed_at else ""
+        return (
+            f"{self.batches} batches, {self.rows:,} rows, {self.bytes / 1e6:.1f} MB in "
+            f"{self.seconds:.1f} s ({rate:.3g} MB/s{resumed})"
+        )
+
+    def __str__(self) -> str:
+        return f"harvest: {self.describe()} -> {self.store}"
+
+    def __repr__(self) -> str:
+        return f"<hx.Harvest {str(self.store)!r}: {self.describe()}; {len(self.names)} arrays>"
 
     def read(self, name: str) -> Any:
         """The rows stored for ``name``, as a numpy array ``(rows, *per-row shape)``."""
@@ -166,8 +181,10 @@ def harvest(
         left as it was.
       metadata: JSON-serialisable data kept in the store's ``hookax.json`` (part of what a resumed
         run must match).
-      progress: show a progress bar (rows, MB/s; needs ``rich``); default when stderr is a
-        terminal. Only process 0 shows it.
+      progress: show the progress: a bar on a terminal (with the percentage and the time left
+        when ``batches`` has a length), a line rewritten in place in a notebook, and one final
+        line (``str()`` of the result) on stderr; default on a terminal (stderr) and in a
+        Jupyter kernel. Only process 0 shows it.
       overlap: write on a thread while the next batches compute (``False``: write each batch
         before computing the next; for measuring).
       queue_size: batches that may wait for the writer (each holds its outputs in memory).
@@ -196,6 +213,7 @@ def harvest(
     t0 = time.perf_counter()
     import jax
 
+    from .progress import Progress, shown
     from .step import Step, as_args, leaf_specs
     from .store import META, Store, check_path, describe, import_tensorstore
     from .write import Writer, start_transfers
@@ -205,6 +223,7 @@ def harvest(
         raise HookaxError(f"hx.harvest: row_axes must be at least 1, got {row_axes}")
     path = Path(store)
     check_path(path, overwrite=overwrite)  # a folder hookax may not write: refused before any work
+    total = len(batches) if isinstance(batches, Sized) else None
     it = iter(batches)
     first = next(it, None)
     if first is None:
@@ -252,8 +271,7 @@ def harvest(
     _barrier("resumed")
     if process == 0:
         s.drop_other_progress(processes)
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = _Progress(show and process == 0)
+    bar = Progress(shown(progress) and process == 0, total, start)
     leaf_map = {leaf.name: leaf for leaf in leaves}
     base = s.rows_before(start)
     writer = Writer(s, leaf_map, row_axes, base, bar, direct=processes == 1, batches=start)
@@ -287,7 +305,7 @@ def harvest(
     if process == 0:
         s.finish(batches_done, rows)
     _barrier("finished")
-    return Harvest(
+    h = Harvest(
         path,
         tuple(leaf.name for leaf in leaves),
         batches_done,
@@ -296,37 +314,5 @@ def harvest(
         writer.bytes,
         time.perf_counter() - t0,
     )
-
-
-class _Progress:
-    """A rich progress bar of batches, rows and MB/s; nothing when off."""
-
-    def __init__(self, on: bool) -> None:
-        self.on = on
-        self._bar: Any = None
-        self._t0 = time.perf_counter()
-
-    def __enter__(self) -> _Progress:
-        if self.on:
-            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-            self._bar = Progress(
-                SpinnerColumn(),
-                TextColumn("harvest: batch {task.completed}"),
-                TextColumn("{task.fields[rows]:,} rows"),
-                TextColumn("{task.fields[mbs]:.1f} MB/s"),
-                TimeElapsedColumn(),
-                transient=False,
-            )
-            self._bar.start()
-            self._task = self._bar.add_task("harvest", total=None, rows=0, mbs=0.0)
-        return self
-
-    def __call__(self, batches: int, rows: int, written: int) -> None:
-        if self._bar is not None:
-            mbs = written / 1e6 / max(time.perf_counter() - self._t0, 1e-9)
-            self._bar.update(self._task, completed=batches, rows=rows, mbs=mbs)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._bar is not None:
-            self._bar.stop()
+    bar.finish(str(h))
+    return h
