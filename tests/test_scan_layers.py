@@ -371,3 +371,70 @@ def test_backward_hooks_of_one_layer_are_refused():
     model = Scanned()
     with pytest.raises(hx.SelectorError, match="backward hooks of one layer"):
         hx.register_full_backward_hook(model, lambda m, gi, go: None, where="blocks/mlp[3]")
+
+
+class Attn(nnx.Module):
+    """Scaled dot-product self-attention over the rows of ``x`` (one head)."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.qk = nnx.Linear(4, 8, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        q, k = jnp.split(self.qk(x), 2, axis=-1)
+        p = jax.nn.softmax(q @ k.T / 2.0, axis=-1)
+        return x + p @ x
+
+
+class AttnStack(nnx.Module):
+    def __init__(self) -> None:
+        @nnx.split_rngs(splits=N)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs: nnx.Rngs) -> Attn:
+            return Attn(rngs)
+
+        self.blocks = make(nnx.Rngs(2))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return nnx.scan(lambda h, blk: blk(h), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
+            x, self.blocks
+        )
+
+
+def _attn_by_hand(model: AttnStack, x: jax.Array, edit=None) -> tuple[jax.Array, list]:
+    w, b = model.blocks.qk.kernel[...], model.blocks.qk.bias[...]
+    probs = []
+    for i in range(N):
+        q, k = jnp.split(x @ w[i] + b[i], 2, axis=-1)
+        p = jax.nn.softmax(q @ k.T / 2.0, axis=-1)
+        if edit is not None:
+            p = edit(i, p)
+        probs.append(p)
+        x = x + p @ x
+    return x, probs
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_intercept_op_and_op_capture_of_one_layer(mode):
+    model = AttnStack()
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    f = {"eager": lambda m, x: m(x), "jax.jit": jax.jit(lambda m, x: m(x))}.get(mode) or nnx.jit(
+        lambda m, x: m(x)
+    )
+
+    def uniform(p, op):
+        return jnp.full_like(p, 1.0 / p.shape[-1])
+
+    with hx.intercept_op(uniform, ops="blocks:softmax"):
+        all_layers = f(model, x)
+    np.testing.assert_allclose(
+        all_layers, _attn_by_hand(model, x, lambda i, p: uniform(p, None))[0], rtol=1e-5
+    )
+    with hx.intercept_op(uniform, ops="blocks[2]:softmax"):
+        y = f(model, x)
+    want, _ = _attn_by_hand(model, x, lambda i, p: uniform(p, None) if i == 2 else p)
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    _, vals = hx.capture(f, ops="blocks[1]:softmax")(model, x)
+    assert list(vals) == ["blocks[1]:softmax"]
+    np.testing.assert_allclose(
+        vals["blocks[1]:softmax"][0], _attn_by_hand(model, x)[1][1], rtol=1e-5
+    )

@@ -63,7 +63,7 @@ class _Marker:
                 _layergate.check_in_scan(ctx._frame, layers)
                 key = f"{ctx.key}[{','.join(map(str, sorted(layers)))}]"
                 if live is not None:
-                    live.layered[key] = (ctx.key, tuple(sorted(layers)))
+                    live.layered[key] = (ctx.key, tuple(sorted(layers)), "")
         if live is not None:
             live.matched = True
             live.starts.setdefault(key)
@@ -196,16 +196,16 @@ def collect(session: _tags.Session) -> dict[str, tuple[Any, ...]]:
     return {k: tuple(v) for k, v in acts.items() if v}
 
 
-def layer_keys(key: str, layered: dict[str, tuple[str, tuple[int, ...]]]) -> list[str]:
+def layer_keys(key: str, layered: dict[str, tuple[str, tuple[int, ...], str]]) -> list[str]:
     """The keys a record key stands for: ``"blocks/mlp[1,3]"`` -> ``blocks/mlp[1]``, ``[3]``."""
     if key not in layered:
         return [key]
-    site, layers = layered[key]
-    return [f"{site}[{i}]" for i in layers]
+    site, layers, tail = layered[key]
+    return [f"{site}[{i}]{tail}" for i in layers]
 
 
 def layer_split(
-    key: str, tree: Any, axes: Any, layered: dict[str, tuple[str, tuple[int, ...]]]
+    key: str, tree: Any, axes: Any, layered: dict[str, tuple[str, tuple[int, ...], str]]
 ) -> list[tuple[str, Any]]:
     """A record of a one-layer selection, stacked over its scan, as one value per layer.
 
@@ -214,7 +214,7 @@ def layer_split(
     """
     if key not in layered:
         return [(key, tree)]
-    site, layers = layered[key]
+    site, layers, tail = layered[key]
     kinds = [kind for kind, _ in axes]
     if "scan" not in kinds:
         raise HookaxError(
@@ -230,10 +230,11 @@ def layer_split(
             f"{length} layers (0 to {length - 1}). Fix: pick an index below {length}."
         )
     axis = sum(1 for kind in kinds[inner + 1 :] if kind not in ("cond", "while"))
-    return [
-        (f"{site}[{i}]", jax.tree.map(lambda x, i=i: jax.lax.index_in_dim(x, i, axis, False), tree))
-        for i in layers
-    ]
+
+    def layer(i: int) -> Any:
+        return jax.tree.map(lambda x: jax.lax.index_in_dim(x, i, axis, False), tree)
+
+    return [(f"{site}[{i}]{tail}", layer(i)) for i in layers]
 
 
 def capture(

@@ -23,7 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import ad_checkpoint, ad_util, core, pjit
+from jax._src import ad_checkpoint, ad_util, core, pjit, source_info_util
 from jax._src import linear_util as lu
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
@@ -211,7 +211,15 @@ def _eval_eqn(eqn: Any, invals: list[Any], idx: Any) -> list[Any]:
     if p is layer_index_p:
         return [idx]
     if p is loops.scan_p or not any(_holds(j)[0] for j in _jaxprs_in(params)):
-        out = p.bind(*invals, **params)
+        bind_params = p.get_bind_params(params)  # as core.eval_jaxpr binds
+        with (
+            source_info_util.user_context(
+                eqn.source_info.traceback,
+                name_stack=source_info_util.current_name_stack() + eqn.source_info.name_stack,
+            ),
+            eqn.ctx.manager,
+        ):
+            out = p.bind(*invals, **bind_params)
         return list(out) if p.multiple_results else [out]
     if p is pjit.jit_p or p is core.closed_call_p:
         sub = params["jaxpr"] if p is pjit.jit_p else params["call_jaxpr"]
