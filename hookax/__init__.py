@@ -53,6 +53,7 @@ from ._transforms.optrace import OpContext as OpContext
 from ._util.errors import HookaxError as HookaxError
 from ._util.errors import HookError as HookError
 from ._util.errors import SelectorError as SelectorError
+from ._util.errors import StoreError as StoreError
 
 try:
     __version__ = _metadata.version("hookax")
@@ -76,6 +77,7 @@ __all__ = [
     "SelectorError",
     "Splice",
     "StaleTraceWarning",
+    "StoreError",
     "StoreReader",
     "Summary",
     "SummaryRow",

@@ -127,6 +127,8 @@ def run(args: argparse.Namespace) -> None:
 # hx.harvest's words for its arguments -> this command's flags
 _FLAGS = (
     ("hx.harvest: ", ""),
+    ("cannot write the store ", "cannot write --out "),
+    ("run again with the same arguments", "run the same command again"),
     ("overwrite=True", "--overwrite"),
     ("store=PATH", "--out PATH"),
     ("store=", "--out "),

@@ -196,6 +196,7 @@ def harvest(
     t0 = time.perf_counter()
     import jax
 
+    from .faults import store_faults
     from .step import Step, as_args, leaf_specs
     from .store import META, Store, check_path, describe, import_tensorstore
     from .write import Writer, start_transfers
@@ -233,30 +234,34 @@ def harvest(
     )
     process, processes = jax.process_index(), jax.process_count()
     batch_rows = int(math.prod(rows_shape))
-    Store.prepare(
-        path,
-        desc,
-        overwrite=overwrite,
-        create=process == 0,
-        batch_rows=batch_rows,
-        batches_per_chunk=1 if processes > 1 else BATCHES_PER_CHUNK,
-    )
+    with store_faults(path, 0, None):
+        Store.prepare(
+            path,
+            desc,
+            overwrite=overwrite,
+            create=process == 0,
+            batch_rows=batch_rows,
+            batches_per_chunk=1 if processes > 1 else BATCHES_PER_CHUNK,
+        )
     _barrier("created")
-    Store.prepare(path, desc, overwrite=False, create=False)  # every process checks it
     import json
 
-    s = Store(path, json.loads((path / META).read_text()), process, fsync)
-    s.open()
-    start = s.committed()
-    s.commit(start)
+    with store_faults(path, 0, None):
+        Store.prepare(path, desc, overwrite=False, create=False)  # every process checks it
+        s = Store(path, json.loads((path / META).read_text()), process, fsync)
+        s.open()
+        start = s.committed()
+    with store_faults(path, start, start):
+        s.commit(start)
     _barrier("resumed")
     if process == 0:
         s.drop_other_progress(processes)
     show = sys.stderr.isatty() if progress is None else progress
     bar = _Progress(show and process == 0)
     leaf_map = {leaf.name: leaf for leaf in leaves}
-    base = s.rows_before(start)
-    writer = Writer(s, leaf_map, row_axes, base, bar, direct=processes == 1, batches=start)
+    with store_faults(path, start, start):
+        base = s.rows_before(start)
+        writer = Writer(s, leaf_map, row_axes, base, bar, direct=processes == 1, batches=start)
     if overlap:
         writer.start(queue_size)
     count = 0
@@ -285,7 +290,8 @@ def harvest(
     _barrier("written")
     batches_done, rows = max(count, start), writer.rows
     if process == 0:
-        s.finish(batches_done, rows)
+        with store_faults(path, batches_done, batches_done):
+            s.finish(batches_done, rows)
     _barrier("finished")
     return Harvest(
         path,
