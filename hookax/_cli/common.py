@@ -11,8 +11,9 @@ summary`` and ``hookax gradflow`` themselves; the entry point is :mod:`hookax._c
 A factory is ``package.module:function`` (the current directory is importable) or
 ``path/to/file.py:function``; it is called once, with no arguments, and returns a Flax NNX, Flax
 Linen or Equinox module. A mistake on the command line (an unknown example, a factory that does
-not import, an input spec that does not parse, an input the model rejects) prints one line on
-stderr and exits with 2.
+not import, an input spec that does not parse, an input that does not fit the model) prints one
+line on stderr and exits with 2; so does an exception of the model's own, shown as the model's
+with its call site and line (:mod:`hookax._cli.failures`).
 
 Subcommands are :class:`Command`\\ s in :data:`COMMANDS`; :func:`register` adds one, and
 :func:`add_model_arguments` / :func:`load_model` give it the same model options as the others.
@@ -28,6 +29,9 @@ import os
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
+
+from .failures import first_line as _first_line
+from .failures import model_failed
 
 __all__ = [
     "COMMANDS",
@@ -382,34 +386,10 @@ def _traced_build(build: Callable[[], Any], transform: Callable[[Any], Any]) -> 
     return kept["rebuild"](made)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def _model(args: argparse.Namespace, *, abstract: bool) -> tuple[Any, tuple[Any, ...], int]:
     """The model, its positional input specs and the bound of random integer inputs."""
     loaded = load_model(args, abstract=abstract)
     return loaded.model, loaded.args, loaded.int_high
-
-
-def _rejected(e: Exception, loaded: LoadedModel | tuple[Any, ...]) -> UsageError:
-    """The error for an input the model rejected (``loaded``: the model or the input specs)."""
-    import jax
-
-    from .._summary.trace import rejection
-    from .._util.specs import describe
-
-    if isinstance(loaded, LoadedModel):
-        leaves = [*loaded.args, *jax.tree.leaves(loaded.kwargs)]
-    else:
-        leaves = list(loaded)
-    shown = ", ".join(describe(x) for x in leaves)
-    where = rejection(e)
-    where = f"{where}: " if where else ""
-    return UsageError(
-        f"input {shown} does not fit the model: {where}{type(e).__name__}: {_first_line(e)}"
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,7 +436,7 @@ def _summary(args: argparse.Namespace) -> None:
     except HookaxError as e:
         raise UsageError(_first_line(e).removeprefix("hx.summary: ")) from None
     except Exception as e:
-        raise _rejected(e, loaded) from None
+        raise UsageError(model_failed(e, loaded)) from None
     fmt = "json" if args.json else args.format
     text = {"json": s.to_json, "markdown": s.to_markdown, "table": s.__str__}[fmt]()
     print(text)
@@ -503,7 +483,7 @@ def _gradflow(args: argparse.Namespace) -> None:
 
         if isinstance(e, SelectorError):
             raise UsageError(f"--where {args.where!r}: {_first_line(e)}") from None
-        raise _rejected(e, loaded) from None
+        raise UsageError(model_failed(e, loaded)) from None
     if not flow.outputs and not flow.params:
         raise UsageError("no call site reached the loss: nothing to plot")
     try:

@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> None:
     from .._util.errors import HookaxError
     from .._util.specs import DTYPES
     from . import common as _cli
+    from .failures import model_failed
 
     if args.batches is not None and args.batches < 1:
         raise _cli.UsageError(f"--batches takes an integer >= 1, got {args.batches}")
@@ -88,9 +89,12 @@ def run(args: argparse.Namespace) -> None:
     loaded = _cli.load_nnx_or_equinox(args, "harvest runs", linen=True)
     model, specs = loaded.model, loaded.args
     kwargs = _cli._concrete_kwargs(loaded.kwargs, args.seed)
-    model = _cli.bind_linen(
-        model, random_inputs(specs, args.seed, loaded.int_high), kwargs, args.seed
-    )
+    try:
+        model = _cli.bind_linen(
+            model, random_inputs(specs, args.seed, loaded.int_high), kwargs, args.seed
+        )
+    except Exception as e:
+        raise _cli.UsageError(model_failed(e, loaded)) from None
     fn: Any = model
     if loaded.kwargs:  # the same keyword arguments for every batch
         fn = _Call(model, kwargs)
@@ -120,7 +124,7 @@ def run(args: argparse.Namespace) -> None:
     except HookaxError as e:
         raise _cli.UsageError(in_flags(_cli._first_line(e))) from None
     except Exception as e:
-        raise _cli._rejected(e, loaded) from None
+        raise _cli.UsageError(model_failed(e, loaded)) from None
     _report(h)
 
 

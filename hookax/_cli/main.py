@@ -6,9 +6,10 @@ from its own module) and maps errors to one line and an exit code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .common import COMMANDS, Command, UsageError, _Parser, register
@@ -80,6 +81,21 @@ def _harvest(args: argparse.Namespace) -> None:
 register(Command("harvest", "", None, _harvest, add_parser=_harvest_parser))
 
 
+@contextlib.contextmanager
+def _whole_tracebacks() -> Iterator[None]:
+    """JAX's own frames kept in tracebacks: where an exception was raised tells an input that
+    does not fit (JAX refused it) from the model's own exception (:mod:`.failures`). The
+    command shows no traceback, so nothing is lost."""
+    import jax
+
+    old = jax.config.jax_traceback_filtering  # type: ignore[attr-defined]
+    jax.config.update("jax_traceback_filtering", "off")
+    try:
+        yield
+    finally:
+        jax.config.update("jax_traceback_filtering", old)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``hookax`` command; returns the exit code (0, or 2 for a usage mistake)."""
     from .._util.extras import MissingExtraError, require
@@ -93,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             require("matplotlib", "plot", "hookax gradflow (it draws a chart)")
         if args.command == "harvest":
             require("tensorstore", "harvest", "hookax harvest (it writes a zarr store)")
-        COMMANDS[args.command].run(args)
+        with _whole_tracebacks():
+            COMMANDS[args.command].run(args)
         sys.stdout.flush()
     except (UsageError, MissingExtraError) as e:
         print(f"hookax: error: {e}", file=sys.stderr)
