@@ -4,6 +4,7 @@ not Python's arguments. Run in-process through ``main``, stderr captured."""
 
 from __future__ import annotations
 
+import json
 import sys
 import textwrap
 
@@ -196,3 +197,108 @@ def test_an_equinox_input_that_does_not_fit(capsys, tmp_path, models, command):
     msg = error(capsys, command, "user_boom:eqx_linear", "--input", "f32[5]", *extra)
     assert msg.startswith("input f32[5] does not fit the model: call site '' (Linear.__call__)")
     assert "TypeError: dot_general requires contracting dimensions" in msg
+
+
+# ---- errors in the words of the command line's flags ---------------------------------------
+
+
+def harvest_argv(out, *extra: str) -> list[str]:
+    return [
+        "harvest",
+        "--example",
+        "mlp",
+        "--batches",
+        "1",
+        "--no-progress",
+        "--out",
+        str(out),
+        *extra,
+    ]
+
+
+def no_python_words(msg: str) -> None:
+    for python in ("overwrite=", "store=", "where=", "row_axes", "method=", "hx.", "dtype="):
+        assert python not in msg, msg
+
+
+def test_out_and_overwrite(capsys, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "x.txt").write_text("hi")
+    msg = error(capsys, *harvest_argv(mine, "--overwrite"))
+    assert msg == (
+        f"--out {str(mine)!r} is a folder that is not a hookax store (it holds 1 entry: "
+        "'x.txt'); hookax writes only into a new folder, an empty one, or a store of its own, "
+        "and --overwrite replaces only those. Nothing was written or deleted. Fix: give a new "
+        f"--out PATH (for example {str(mine / 'acts.zarr')!r})."
+    )
+    s = tmp_path / "s"
+    assert main(harvest_argv(s, "--where", "layers/0")) == 0
+    capsys.readouterr()
+    msg = error(capsys, *harvest_argv(s, "--where", "layers/1"))
+    assert msg.startswith(f"--out {str(s)!r} holds another harvest than this run would write: ")
+    assert msg.endswith(
+        "Nothing was written. Fix: give another --out PATH, or --overwrite to replace it (a "
+        "store is resumed only by the same command: the same model, --where, --dtype, --input, "
+        "--kw, --eval, --seed and --tokens)."
+    )
+    no_python_words(msg)
+
+
+@pytest.mark.parametrize("command", ["ops", "gradflow", "harvest"])  # summary has no --where
+def test_where(capsys, tmp_path, command):
+    argv = [command, "--example", "mlp", *_extra(command, tmp_path)]
+    msg = error(capsys, *argv, "--where", "nope/*")
+    assert msg == (
+        "--where 'nope/*' matched no call site; those that ran include 'layers/2', 'layers/1', "
+        "'layers/0', ''. Fix: pass a --where that matches one of them."
+    )
+    msg = error(capsys, *argv, "--where", "[[")
+    assert msg.startswith("--where '[[': malformed path glob '[[': ")
+    no_python_words(msg)
+
+
+def test_summary_where_is_not_a_flag(capsys):
+    assert "unrecognized arguments: --where" in error(
+        capsys, "summary", "--example", "mlp", "--where", "x"
+    )
+
+
+def test_row_axes(capsys, tmp_path):
+    assert error(capsys, *harvest_argv(tmp_path / "a", "--row-axes", "0")) == (
+        "--row-axes takes an integer >= 1, got 0"
+    )
+    msg = error(capsys, *harvest_argv(tmp_path / "a", "--row-axes", "3"))
+    assert msg == (
+        "call site output '' has shape (8, 10), whose leading 3 axes are not the batch's rows "
+        "(8, 10) (--row-axes 3, from the first output). Every stored value must lead with the "
+        "same row axes. Fix: select only call sites whose outputs lead with the batch axes "
+        "(--where ...), or set --row-axes to match."
+    )
+    assert not (tmp_path / "a").exists()
+
+
+def test_method_lists_the_public_methods(capsys, models):
+    argv = ["summary", "user_boom:two_methods", "--input", "f32[2,4]"]
+    for method in ("nope", "_private"):
+        assert error(capsys, *argv, "--method", method) == (
+            f"--method {method!r}: TwoMethods has no public method {method!r}; its methods: "
+            "__call__, decode, encode"
+        )
+    assert main([*argv, "--method", "encode", "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["method"], out["rows"][0]["key"]) == ("encode", ":encode")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_kw(capsys, tmp_path, models, command):
+    argv = [command, "user_boom:two_methods", "--input", "f32[2,4]", *_extra(command, tmp_path)]
+    assert error(capsys, *argv, "--kw", "scale=2") == (
+        "--kw scale: TwoMethods.__call__(x) has no argument 'scale'; its keyword arguments: x"
+    )
+    assert error(capsys, *argv, "--kw", "x=f32[2,4]") == (
+        "--kw x: x is given by an --input already"
+    )
+    assert error(capsys, *argv, "--input", "f32[2,4]") == (
+        "TwoMethods.__call__(x) takes 1 input, got 2 --input"
+    )

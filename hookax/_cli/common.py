@@ -32,6 +32,7 @@ from typing import Any, NoReturn
 
 from .failures import first_line as _first_line
 from .failures import model_failed
+from .flags import call_problem, in_flags, where_error
 
 __all__ = [
     "COMMANDS",
@@ -318,6 +319,30 @@ def load_nnx_or_equinox(args: argparse.Namespace, does: str, *, linen: bool = Fa
     return loaded
 
 
+def check_call(
+    loaded: LoadedModel, method: str = "__call__", kwargs: dict[str, Any] | None = None
+) -> None:
+    """Refuse, before any work, a ``--method`` the model does not have, or ``--input`` and
+    ``--kw`` that its method does not take (``kwargs``: those it is called with)."""
+    kwargs = loaded.kwargs if kwargs is None else kwargs
+    problem = call_problem(loaded.model, method, loaded.args, kwargs)
+    if problem is not None:
+        raise UsageError(problem)
+
+
+def command_error(e: Exception, loaded: LoadedModel, where: str | None = None) -> UsageError:
+    """The one-line error for ``e``, raised while a command ran the model: a ``--where`` that
+    selects nothing, another hookax error (in the command's flags), or an exception of the
+    model's run (:func:`~hookax._cli.failures.model_failed`)."""
+    from .._util.errors import HookaxError, SelectorError
+
+    if isinstance(e, SelectorError):
+        return UsageError(where_error(where, _first_line(e)))
+    if isinstance(e, HookaxError):
+        return UsageError(in_flags(_first_line(e)))
+    return UsageError(model_failed(e, loaded))
+
+
 def bind_linen(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any], seed: int) -> Any:
     """A Linen module bound to variables initialised (``model.init``) for these inputs; any other
     model unchanged."""
@@ -423,6 +448,7 @@ def _summary(args: argparse.Namespace) -> None:
     train = kwargs.pop("train", None)  # hx.summary passes it on to a model that takes it
     if not isinstance(train, bool | None):
         raise UsageError(f"--kw train takes true or false, got {train!r}")
+    check_call(loaded, args.method, kwargs)
     try:
         s = summary(
             loaded.model,
@@ -434,7 +460,7 @@ def _summary(args: argparse.Namespace) -> None:
             **kwargs,
         )
     except HookaxError as e:
-        raise UsageError(_first_line(e).removeprefix("hx.summary: ")) from None
+        raise UsageError(in_flags(_first_line(e))) from None
     except Exception as e:
         raise UsageError(model_failed(e, loaded)) from None
     fmt = "json" if args.json else args.format
@@ -473,17 +499,14 @@ def _gradflow(args: argparse.Namespace) -> None:
     except OSError as e:
         raise UsageError(f"cannot write {args.out!r}: {e.strerror or e}") from None
     loaded = load_nnx_or_equinox(args, "gradflow plots", linen=True)
+    check_call(loaded)
     inputs = random_inputs(loaded.args, args.seed, loaded.int_high)
     kwargs = _concrete_kwargs(loaded.kwargs, args.seed)
     try:
         model = bind_linen(loaded.model, inputs, kwargs, args.seed)
         flow = grad_flow(model, *inputs, where=args.where, **kwargs)
     except Exception as e:
-        from .._util.errors import SelectorError
-
-        if isinstance(e, SelectorError):
-            raise UsageError(f"--where {args.where!r}: {_first_line(e)}") from None
-        raise UsageError(model_failed(e, loaded)) from None
+        raise command_error(e, loaded, args.where) from None
     if not flow.outputs and not flow.params:
         raise UsageError("no call site reached the loss: nothing to plot")
     try:

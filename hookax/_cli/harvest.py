@@ -66,10 +66,11 @@ def run(args: argparse.Namespace) -> None:
     from .._util.errors import HookaxError
     from .._util.specs import DTYPES
     from . import common as _cli
-    from .failures import model_failed
 
     if args.batches is not None and args.batches < 1:
         raise _cli.UsageError(f"--batches takes an integer >= 1, got {args.batches}")
+    if args.row_axes is not None and args.row_axes < 1:
+        raise _cli.UsageError(f"--row-axes takes an integer >= 1, got {args.row_axes}")
     dtype = None
     if args.dtype is not None:
         if args.dtype not in DTYPES:
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace) -> None:
             raise _cli.UsageError(f"--tokens: {_cli._first_line(e)}") from None
         args.input = args.input or [tokens.spec]
     loaded = _cli.load_nnx_or_equinox(args, "harvest runs", linen=True)
+    _cli.check_call(loaded)
     model, specs = loaded.model, loaded.args
     kwargs = _cli._concrete_kwargs(loaded.kwargs, args.seed)
     try:
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> None:
             model, random_inputs(specs, args.seed, loaded.int_high), kwargs, args.seed
         )
     except Exception as e:
-        raise _cli.UsageError(model_failed(e, loaded)) from None
+        raise _cli.command_error(e, loaded) from None
     fn: Any = model
     if loaded.kwargs:  # the same keyword arguments for every batch
         fn = _Call(model, kwargs)
@@ -121,33 +123,9 @@ def run(args: argparse.Namespace) -> None:
             metadata={"cli": cli},
             progress=False if args.no_progress else None,
         )
-    except HookaxError as e:
-        raise _cli.UsageError(in_flags(_cli._first_line(e))) from None
     except Exception as e:
-        raise _cli.UsageError(model_failed(e, loaded)) from None
+        raise _cli.command_error(e, loaded, args.where) from None
     _report(h)
-
-
-# hx.harvest's words for its arguments -> this command's flags
-_FLAGS = (
-    ("hx.harvest: ", ""),
-    ("cannot write the store ", "cannot write --out "),
-    ("run again with the same arguments", "run the same command again"),
-    ("overwrite=True", "--overwrite"),
-    ("store=PATH", "--out PATH"),
-    ("store=", "--out "),
-    ("where=", "--where "),
-    ("row_axes=", "--row-axes "),
-    ("row_axes", "--row-axes"),
-    ("dtype=", "--dtype "),
-)
-
-
-def in_flags(message: str) -> str:
-    """An error of ``hx.harvest`` in the words of the command line (its flags)."""
-    for python, flag in _FLAGS:
-        message = message.replace(python, flag)
-    return message
 
 
 class _Call:
