@@ -228,3 +228,24 @@ def test_cli_store_replaced_midway_then_rerun_resumes(tmp_path, monkeypatch, cap
     assert (code, err) == (0, "")
     assert "resumed at batch 3" in out.splitlines()[-1]
     assert_same_store(tmp_path / "ref", s)
+
+
+def test_cli_batches_already_in_the_store(tmp_path, capsys):
+    s = tmp_path / "s"
+    code, out, err = cli(capsys, s)
+    assert (code, err) == (0, "")
+    before = (s / "hookax.json").read_text()
+    for batches in (N, N - 2):
+        argv = ["harvest", "--example", "mlp", "--where", "layers/*", "--batches", str(batches)]
+        assert main([*argv, "--no-progress", "--out", str(s)]) == 0
+        out, err = capsys.readouterr()
+        assert err == ""
+        assert out.splitlines()[-1] == (
+            f"{s} already holds {N} batches ({8 * N} rows): nothing to compute. A larger "
+            f"--batches adds batches after them; --overwrite starts again."
+        )
+    assert (s / "hookax.json").read_text() == before
+    code, out, err = cli(capsys, s, "--batches", str(N + 1))  # the last --batches counts
+    assert (code, err) == (0, "")
+    assert out.splitlines()[-1].startswith(f"wrote {s}: {N + 1} batches, {8 * (N + 1)} rows")
+    assert out.splitlines()[-1].endswith(f", resumed at batch {N})")

@@ -153,6 +153,12 @@ def _report(h: Any) -> None:
     for name in h.names:
         a = meta["arrays"][name]
         print(f"{name:<{width}}  {a['dtype']}[{h.rows},{','.join(map(str, a['shape']))}]")
+    if h.resumed_at >= h.batches:  # every batch asked for was there already
+        print(
+            f"{h.store} already holds {h.batches} batches ({h.rows:,} rows): nothing to compute. "
+            f"A larger --batches adds batches after them; --overwrite starts again."
+        )
+        return
     rate = h.bytes / 1e6 / max(h.seconds, 1e-9)
     resumed = f", resumed at batch {h.resumed_at}" if h.resumed_at else ""
     print(
