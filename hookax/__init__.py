@@ -7,6 +7,12 @@ The public API is the names in ``__all__``; everything else lives in private mod
 True
 """
 
+# First, before JAX loads: in the `hookax` command, Ctrl-C is one line and exit 130, never a crash
+from ._cli import interrupt as _interrupt
+
+if _interrupt.running_as_command():
+    _interrupt.install()
+
 from importlib import metadata as _metadata
 
 from ._capture.actgrad import value_and_grad as value_and_grad

@@ -88,9 +88,8 @@ def test_a_file_at_or_above_the_store_is_refused_before_any_work(tmp_path, capsy
         harvest(under)
     assert str(e.value) == (
         f"hx.harvest: cannot write the store {str(under)!r}: a part of its path is a file, not a "
-        f"folder (was the store's folder moved or replaced by a file?) [NotADirectoryError: "
-        f"[Errno 20] Not a directory: {str(f)!r}]. Nothing was written. Fix: put the store's "
-        f"folder back at store={str(under)!r}, or give another store=PATH."
+        f"folder [NotADirectoryError: [Errno 20] Not a directory: {str(f)!r}]. Nothing was "
+        f"written. Fix: move that file away, or give another store=PATH."
     )
     assert isinstance(e.value, OSError) and isinstance(e.value, hx.HookaxError)
     code, out, err = cli(capsys, f)
@@ -138,10 +137,11 @@ def test_a_read_only_location_is_refused_before_any_work(read_only, capsys):
     store = read_only / "acts"
     with pytest.raises(hx.StoreError) as e:
         harvest(store)
-    assert str(e.value).startswith(
+    assert str(e.value) == (
         f"hx.harvest: cannot write the store {str(store)!r}: permission denied: this location "
         f"is not writable [PermissionError: [Errno 13] Permission denied: {str(read_only)!r}]. "
-        f"Nothing was written."
+        f"Nothing was written. Fix: make the folder writable (chmod u+w), or give another "
+        f"store=PATH."
     )
     code, out, err = cli(capsys, store)
     assert (code, out) == (2, "")

@@ -59,13 +59,39 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from .interrupt import describing
 
+    with describing(lambda: kept(args.out)):  # Ctrl-C says what the store holds
+        _run(args)
+
+
+def kept(out: str) -> str:
+    """What a store holds after Ctrl-C, and how to go on (the line after ``interrupted: ``)."""
+    from pathlib import Path
+
+    from .._harvest.store import committed_batches
+
+    try:
+        n = committed_batches(Path(out))
+    except (OSError, ValueError, KeyError):  # no store (yet)
+        n = 0
+    if not n:
+        return f"no batch committed to --out {out!r}; run the same command again to start"
+    s, are = ("es", "are") if n != 1 else ("", "is")
+    return (
+        f"{n} batch{s} committed to --out {out!r} {are} kept; run the same command again to "
+        f"resume at batch {n}"
+    )
+
+
+def _run(args: argparse.Namespace) -> None:
     from .._diagnostics.gradflow import random_inputs
     from .._harvest.harvest import harvest
     from .._harvest.tokens import TokenBatches, TokenModel, token_mask
     from .._util.errors import HookaxError
     from .._util.specs import DTYPES
     from . import common as _cli
+    from .interrupt import graceful
 
     if args.batches is not None and args.batches < 1:
         raise _cli.UsageError(f"--batches takes an integer >= 1, got {args.batches}")
@@ -111,18 +137,19 @@ def run(args: argparse.Namespace) -> None:
     if args.eval:
         cli["eval"] = True
     try:
-        h = harvest(
-            fn,
-            batches,
-            where=args.where,
-            store=args.out,
-            dtype=dtype,
-            row_axes=args.row_axes or (2 if tokens is not None else 1),
-            mask=token_mask if tokens is not None else None,
-            overwrite=args.overwrite,
-            metadata={"cli": cli},
-            progress=False if args.no_progress else None,
-        )
+        with graceful(lambda: kept(args.out)):  # Ctrl-C: the batches handed over commit
+            h = harvest(
+                fn,
+                batches,
+                where=args.where,
+                store=args.out,
+                dtype=dtype,
+                row_axes=args.row_axes or (2 if tokens is not None else 1),
+                mask=token_mask if tokens is not None else None,
+                overwrite=args.overwrite,
+                metadata={"cli": cli},
+                progress=False if args.no_progress else None,
+            )
     except Exception as e:
         raise _cli.command_error(e, loaded, args.where) from None
     _report(h)

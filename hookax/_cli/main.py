@@ -12,6 +12,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from . import interrupt
 from .common import COMMANDS, Command, UsageError, _Parser, register
 
 __all__ = ["main"]
@@ -97,7 +98,8 @@ def _whole_tracebacks() -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``hookax`` command; returns the exit code (0, or 2 for a usage mistake)."""
+    """Run the ``hookax`` command; returns the exit code (0, 2 for a usage mistake or a failure,
+    130 for Ctrl-C: :mod:`hookax._cli.interrupt`)."""
     from .._util.extras import MissingExtraError, require
 
     try:
@@ -113,10 +115,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             COMMANDS[args.command].run(args)
         sys.stdout.flush()
     except (UsageError, MissingExtraError) as e:
+        if interrupt.requested(e):  # an exception the Ctrl-C turned into (JAX wraps some)
+            return _interrupted()
         print(f"hookax: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return _interrupted()
     except BrokenPipeError:  # `hookax summary ... | head`: the reader has what it wanted
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except Exception as e:
+        if interrupt.requested(e):
+            return _interrupted()
+        raise
     return 0
+
+
+def _interrupted() -> int:
+    """Ctrl-C: the command exits here (:func:`interrupt.exit_now`); in-process (tests), one
+    line and 130."""
+    if interrupt.installed():
+        interrupt.exit_now()
+    print(f"hookax: {interrupt.message(clear=True)}", file=sys.stderr)
+    return 130

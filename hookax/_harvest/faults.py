@@ -59,6 +59,15 @@ _CAUSES: dict[int, tuple[str, str]] = {
         "remove what was put into the store's folder",
     ),
 }
+# before anything is written (the path was checked): the cause and fix for the path as it is
+_BEFORE: dict[int, tuple[str, str]] = {
+    errno.ENOTDIR: ("a part of its path is a file, not a folder", "move that file away"),
+    errno.EACCES: (
+        "permission denied: this location is not writable",
+        "make the folder writable (chmod u+w)",
+    ),
+    errno.EROFS: ("the file system is read-only", "choose a writable file system"),
+}
 _STATUS = re.compile(
     r"^(PERMISSION_DENIED|NOT_FOUND|FAILED_PRECONDITION|RESOURCE_EXHAUSTED|UNKNOWN|DATA_LOSS|"
     r"INTERNAL|ABORTED|ALREADY_EXISTS|UNAVAILABLE|OUT_OF_RANGE|INVALID_ARGUMENT): "
@@ -106,7 +115,8 @@ def fault(
     (None: not known, the store could not be read); ``before``: before anything was written
     (a check of the path)."""
     code = _errno(e)
-    cause, fix = _CAUSES.get(code or -1, ("it could not be read or written", "remove the cause"))
+    default = ("it could not be read or written", "remove the cause")
+    cause, fix = (_BEFORE if before and code in _BEFORE else _CAUSES).get(code or -1, default)
     path = str(path)
     fix = fix.format(path=path)
     head = f"hx.harvest: cannot write the store {path!r}"

@@ -40,7 +40,7 @@ from typing import Any
 from .._util.errors import HookaxError, StoreError
 from .faults import fault
 
-__all__ = ["FORMAT", "Store", "check_path", "import_tensorstore"]
+__all__ = ["FORMAT", "Store", "check_path", "committed_batches", "import_tensorstore"]
 
 FORMAT = "hookax.harvest/1"
 META = "hookax.json"
@@ -280,15 +280,7 @@ class Store:
 
     def committed(self) -> int:
         """Batches committed by every process (the store's valid prefix)."""
-        counts = []
-        prog = self.path / "progress"
-        if prog.is_dir():
-            for f in prog.glob("*.json"):
-                if (count := _read_progress(f)) is not None:
-                    counts.append(count)
-        if counts:
-            return min(counts)
-        return int(json.loads((self.path / META).read_text())["batches"])
+        return committed_batches(self.path)
 
     def rows_before(self, batch: int) -> int:
         """Rows of batches ``0 .. batch-1``."""
@@ -368,6 +360,20 @@ class Store:
         _write_json(self.path / META, done)
         self.meta = done
         shutil.rmtree(self.path / "progress", ignore_errors=True)
+
+
+def committed_batches(path: Path) -> int:
+    """Batches committed by every process in the store ``path`` (its valid prefix); reads only
+    its small files (no TensorStore)."""
+    counts = []
+    prog = path / "progress"
+    if prog.is_dir():
+        for f in prog.glob("*.json"):
+            if (count := _read_progress(f)) is not None:
+                counts.append(count)
+    if counts:
+        return min(counts)
+    return int(json.loads((path / META).read_text())["batches"])
 
 
 def check_path(path: Path, *, overwrite: bool) -> str:
