@@ -23,8 +23,18 @@ safety:
   --out must be a new folder, an empty one, or a hookax store. Any other folder is refused
   with its contents listed and every file left as it was; so are the current folder, the home
   folder and the folders above them. --overwrite replaces only a hookax store that holds
-  nothing but what hookax wrote. An interrupted run keeps every committed batch: run the same
-  command again to resume after the last one."""
+  nothing but what hookax wrote.
+
+what survives an interruption:
+  Every committed batch, whatever stopped the run (Ctrl-C, a kill, a full disk). Ctrl-C exits
+  with status 130 and one line: how many batches the store holds. Run the same command again:
+  it resumes after the last committed batch and ends as an uninterrupted run would.
+
+store faults:
+  A --out that cannot be written (a file on its path, a read-only or full disk, a folder moved
+  or replaced while the run writes) is one line naming --out, the cause and the batch reached,
+  exit status 2; the committed batches are kept, and the same command resumes once the cause
+  is fixed."""
 
 
 def add_parser(sub: Any) -> None:

@@ -18,6 +18,15 @@ from .common import COMMANDS, Command, UsageError, _Parser, register
 __all__ = ["main"]
 
 
+EPILOG = """\
+errors and Ctrl-C:
+  A mistake or a failure is one line on stderr, in the words of the flags, and exit status 2:
+  an input that does not fit the model, an exception of the model's own (with its call site
+  and line), a --out that cannot be written. Ctrl-C ends any subcommand with status 130 and
+  one line, at once, also while XLA compiles; an interrupted harvest keeps every committed
+  batch and the same command resumes it (hookax harvest --help: safety)."""
+
+
 def _version() -> str:
     from importlib import metadata
 
@@ -31,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="hookax",
         description="Summaries and gradient flow of JAX models (Flax NNX, Flax Linen, Equinox).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
