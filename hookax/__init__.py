@@ -7,6 +7,12 @@ The public API is the names in ``__all__``; everything else lives in private mod
 True
 """
 
+# First, before JAX loads: in the `hookax` command, Ctrl-C is one line and exit 130, never a crash
+from ._cli import interrupt as _interrupt
+
+if _interrupt.running_as_command():
+    _interrupt.install()
+
 from importlib import metadata as _metadata
 
 from ._capture.actgrad import value_and_grad as value_and_grad
@@ -56,6 +62,7 @@ from ._transforms.optrace import OpContext as OpContext
 from ._util.errors import HookaxError as HookaxError
 from ._util.errors import HookError as HookError
 from ._util.errors import SelectorError as SelectorError
+from ._util.errors import StoreError as StoreError
 
 try:
     __version__ = _metadata.version("hookax")
@@ -79,6 +86,7 @@ __all__ = [
     "SelectorError",
     "Splice",
     "StaleTraceWarning",
+    "StoreError",
     "StoreReader",
     "Summary",
     "SummaryRow",

@@ -213,10 +213,9 @@ def harvest(
     t0 = time.perf_counter()
     import jax
 
+    from .faults import store_faults
     from .progress import Progress, shown
-    from .step import Step, as_args, leaf_specs
-    from .store import META, Store, check_path, describe, import_tensorstore
-    from .write import Writer, start_transfers
+    from .store import check_path, import_tensorstore
 
     import_tensorstore()
     if row_axes < 1:
@@ -228,6 +227,64 @@ def harvest(
     first = next(it, None)
     if first is None:
         raise HookaxError("hx.harvest: batches is empty: there is nothing to harvest.")
+    plan = _plan(fn, first, path, where, ops, dtype, mask, row_axes, overwrite, metadata)
+    process, processes = jax.process_index(), jax.process_count()
+    s, start = _open_store(path, plan, overwrite, fsync, process, processes)
+    bar = Progress(shown(progress) and process == 0, total, start)
+    writer = _writer(s, plan, start, bar, processes == 1)
+    if overlap:
+        writer.start(queue_size)
+    count = _write_batches(plan, itertools.chain([first], it), start, s, writer, bar)
+    _barrier("written")
+    batches_done, rows = max(count, start), writer.rows
+    if process == 0:
+        with store_faults(path, batches_done, batches_done):
+            s.finish(batches_done, rows)
+    _barrier("finished")
+    h = Harvest(
+        path,
+        tuple(leaf.name for leaf in plan.leaves),
+        batches_done,
+        rows,
+        start,
+        writer.bytes,
+        time.perf_counter() - t0,
+    )
+    bar.finish(str(h))
+    return h
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What a run stores, found from its first batch: the jitted step, the stored leaves, the
+    rows of a batch, the store's description, and batch 0's outputs when already computed."""
+
+    step: Any
+    leaves: list[Any]
+    row_axes: int
+    batch_rows: int
+    desc: dict[str, Any]
+    early: Any  # (values, mask) of batch 0, or None
+
+
+def _plan(
+    fn: Callable[..., Any],
+    first: Any,
+    path: Path,
+    where: Any,
+    ops: Any,
+    dtype: Any,
+    mask: Callable[..., Any] | None,
+    row_axes: int,
+    overwrite: bool,
+    metadata: Any,
+) -> _Plan:
+    """Trace the step on the first batch: what the store holds. A new store computes batch 0
+    meanwhile (it is written first); a store to resume only needs the shapes."""
+    from .step import Step, as_args, leaf_specs
+    from .store import META, describe
+    from .write import start_transfers
+
     where, patterns = where_and_ops(where, ops, "hx.harvest")
     step = Step.cached(fn, where, patterns, dtype, mask, row_axes, as_args(first))
     early = None
@@ -250,44 +307,73 @@ def harvest(
         masked=mask is not None,
         user=metadata,
     )
-    process, processes = jax.process_index(), jax.process_count()
-    batch_rows = int(math.prod(rows_shape))
-    Store.prepare(
-        path,
-        desc,
-        overwrite=overwrite,
-        create=process == 0,
-        batch_rows=batch_rows,
-        batches_per_chunk=1 if processes > 1 else BATCHES_PER_CHUNK,
-    )
-    _barrier("created")
-    Store.prepare(path, desc, overwrite=False, create=False)  # every process checks it
+    return _Plan(step, leaves, row_axes, int(math.prod(rows_shape)), desc, early)
+
+
+def _open_store(
+    path: Path, plan: _Plan, overwrite: bool, fsync: bool, process: int, processes: int
+) -> tuple[Any, int]:
+    """Create or check the store (process 0 creates it, every process checks it), open it and
+    return it with the batches already committed, where this run starts."""
     import json
 
-    s = Store(path, json.loads((path / META).read_text()), process, fsync)
-    s.open()
-    start = s.committed()
-    s.commit(start)
+    from .faults import store_faults
+    from .store import META, Store
+
+    with store_faults(path, 0, None):
+        Store.prepare(
+            path,
+            plan.desc,
+            overwrite=overwrite,
+            create=process == 0,
+            batch_rows=plan.batch_rows,
+            batches_per_chunk=1 if processes > 1 else BATCHES_PER_CHUNK,
+        )
+    _barrier("created")
+    with store_faults(path, 0, None):
+        Store.prepare(path, plan.desc, overwrite=False, create=False)  # every process checks it
+        s = Store(path, json.loads((path / META).read_text()), process, fsync)
+        s.open()
+        start = s.committed()
+    with store_faults(path, start, start):
+        s.commit(start)
     _barrier("resumed")
     if process == 0:
         s.drop_other_progress(processes)
-    bar = Progress(shown(progress) and process == 0, total, start)
-    leaf_map = {leaf.name: leaf for leaf in leaves}
-    base = s.rows_before(start)
-    writer = Writer(s, leaf_map, row_axes, base, bar, direct=processes == 1, batches=start)
-    if overlap:
-        writer.start(queue_size)
+    return s, start
+
+
+def _writer(s: Any, plan: _Plan, start: int, bar: Any, direct: bool) -> Any:
+    """The writer appending after the ``start`` batches committed (not started yet)."""
+    from .faults import store_faults
+    from .write import Writer
+
+    leaf_map = {leaf.name: leaf for leaf in plan.leaves}
+    with store_faults(s.path, start, start):
+        base = s.rows_before(start)
+        return Writer(s, leaf_map, plan.row_axes, base, bar, direct=direct, batches=start)
+
+
+def _write_batches(
+    plan: _Plan, batches: Iterable[Any], start: int, s: Any, writer: Any, bar: Any
+) -> int:
+    """Compute every batch from ``start`` on and hand it to the writer; returns how many
+    batches there were. On any error, or Ctrl-C, what was handed over is committed first."""
+    from .step import as_args
+    from .write import start_transfers
+
     count = 0
+    early, plan.early = plan.early, None  # batch 0's outputs: kept only until written
     with bar:
         try:
-            for i, batch in enumerate(itertools.chain([first], it)):
+            for i, batch in enumerate(batches):
                 count = i + 1
                 if i < start:
                     continue
                 if i == 0 and early is not None:
                     values, m = early
                 else:
-                    values, m = step(*as_args(batch))
+                    values, m = plan.step(*as_args(batch))
                     start_transfers(values, m)
                 early = None
                 writer.put((i, values, m))
@@ -300,19 +386,4 @@ def harvest(
             writer.close()
         finally:
             s.close()
-    _barrier("written")
-    batches_done, rows = max(count, start), writer.rows
-    if process == 0:
-        s.finish(batches_done, rows)
-    _barrier("finished")
-    h = Harvest(
-        path,
-        tuple(leaf.name for leaf in leaves),
-        batches_done,
-        rows,
-        start,
-        writer.bytes,
-        time.perf_counter() - t0,
-    )
-    bar.finish(str(h))
-    return h
+    return count
