@@ -435,7 +435,20 @@ def _bind(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:
 
 def _jit(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:
     new, touched = walk(params["jaxpr"], trace.walker)
-    return _bind(trace, prim, args, dict(params, jaxpr=new) if touched else params)
+    if not touched:
+        return _bind(trace, prim, args, params)
+    # An edit may close over values of the enclosing trace (``v * s`` with ``s`` traced): they
+    # are the re-traced jaxpr's constants, and a jit takes them as leading inputs.
+    body, consts = _closed_to_consts(new)
+    k = len(consts)
+    p = dict(
+        params,
+        jaxpr=body,
+        in_shardings=(*[pjit.UNSPECIFIED] * k, *params["in_shardings"]),
+        in_layouts=(*[None] * k, *params["in_layouts"]),
+        donated_invars=(*[False] * k, *params["donated_invars"]),
+    )
+    return _bind(trace, prim, [*consts, *args], p)
 
 
 def _scan(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:
@@ -451,7 +464,22 @@ def _cond(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:
     walked = [walk(b, trace.walker) for b in params["branches"]]
     if not any(t for _, t in walked):
         return _bind(trace, prim, args, params)
-    return _bind(trace, prim, args, dict(params, branches=tuple(b for b, _ in walked)))
+    # Every branch takes every branch's constants (an edit's closed-over values) as operands.
+    opened = [_closed_to_consts(b) for b, _ in walked]
+    consts = [c for _, cs in opened for c in cs]
+    avals = [core.typeof(c) for c in consts]
+    n_in = len(params["branches"][0].in_avals)
+    branches = []
+    start = 0
+    for body, cs in opened:
+
+        def branch(*a: Any, body: Any = body, lo: int = start, hi: int = start + len(cs)) -> Any:
+            return _eval(body, [*a[n_in + lo : n_in + hi], *a[:n_in]])
+
+        branches.append(_trace(branch, [*params["branches"][0].in_avals, *avals]))
+        start += len(cs)
+    index, ops = args[0], args[1:]
+    return _bind(trace, prim, [index, *ops, *consts], dict(params, branches=tuple(branches)))
 
 
 def _while(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:
