@@ -46,6 +46,7 @@ class _Marker:
 
     sid: int
     selector: Any
+    inputs: bool = False  # also mark the call's inputs (what forward pre-hooks see), "key:in"
     # The dispatcher runs recorders outside every interceptor: a capture records what the
     # caller received, whether the intercept block is inside or around the captured function.
     records_output = True
@@ -66,8 +67,20 @@ class _Marker:
                     live.layered[key] = (ctx.key, tuple(sorted(layers)), "")
         if live is not None:
             live.matched = True
-            live.starts.setdefault(key)
             _check_collision(live, ctx)
+        if self.inputs:
+            in_key = f"{key}:in"
+            if live is not None:
+                live.starts.setdefault(in_key)
+                if key in live.layered:
+                    site, layers, _ = live.layered[key]
+                    live.layered[in_key] = (site, layers, ":in")
+            if len(args) == 1:
+                args = (_tags.mark(args[0], self.sid, in_key),)
+            else:
+                args = _tags.mark(tuple(args), self.sid, in_key)
+        if live is not None:
+            live.starts.setdefault(key)
         return _tags.mark(next_fun(*args, **kwargs), self.sid, key)
 
 
@@ -101,18 +114,25 @@ class _Session:
     """Context for one session: make it live, its marker active and its trace current."""
 
     def __init__(
-        self, session: _tags.Session, selector: Any, where: Any, ops: tuple[Any, ...] = ()
+        self,
+        session: _tags.Session,
+        selector: Any,
+        where: Any,
+        ops: tuple[Any, ...] = (),
+        inputs: bool = False,
     ) -> None:
         self.session = session
         self.selector = selector
         self.where = where
         self.ops = ops
+        self.inputs = inputs
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         s = self.session
         s.seen = set()
         s.matched = False
-        entry = _intercept.Entry("intercept", _Marker(s.sid, self.selector), _EVERY_CALL_SITE)
+        marker = _Marker(s.sid, self.selector, self.inputs)
+        entry = _intercept.Entry("intercept", marker, _EVERY_CALL_SITE)
         with contextlib.ExitStack() as stack:
             stack.enter_context(_intercept.scoped(entry))
             if self.ops:
@@ -155,6 +175,7 @@ def session(
     mode: str = "reap",
     probes: Any = None,
     ops: tuple[Any, ...] = (),
+    inputs: bool = False,
 ) -> _Session:
     """A session for ``who`` (``"hx.capture"``, ``"hx.value_and_grad"``) over ``fn(*args)``;
     ``ops`` are parsed ``ops=`` patterns, and ``where`` may be :data:`_NO_SITES`."""
@@ -162,7 +183,7 @@ def session(
         selector: Any = _NONE_SELECTED
     else:
         selector = as_selector(resolve_instances(where, (fn, args, kwargs)), CALL_ONLY)
-    return _Session(_tags.Session(next_sid(), who, mode, probes), selector, where, ops)
+    return _Session(_tags.Session(next_sid(), who, mode, probes), selector, where, ops, inputs)
 
 
 def where_and_ops(where: Any, ops: Any, who: str) -> tuple[Any, tuple[Any, ...]]:
@@ -238,7 +259,7 @@ def layer_split(
 
 
 def capture(
-    fn: Callable[..., Any], *, where: Any = _DEFAULT, ops: Any = None
+    fn: Callable[..., Any], *, where: Any = _DEFAULT, ops: Any = None, inputs: bool = False
 ) -> Callable[..., tuple[Any, dict]]:
     """Wrap ``fn`` to also return the outputs of the selected call sites it runs.
 
@@ -266,6 +287,10 @@ def capture(
       where: which call sites; default every module's ``__call__``, or none when ``ops=`` is
         given. A module instance selects that module.
       ops: operation addresses (``"layers/0/attn:softmax"``, ``"**:dot_general#*"``), or a list.
+      inputs: also record each selected call's inputs as its caller passed them (what its
+        forward pre-hooks see): ``acts["layers/0:in"]``, one per call, listed before the
+        output's key: the call's one positional argument, or the tuple of them (keyword
+        arguments are not recorded). The residual stream before a block is ``"blocks/0:in"``.
 
     Returns:
       A function taking ``fn``'s arguments and returning ``(fn's output, acts)``.
@@ -292,7 +317,7 @@ def capture(
     where, patterns = where_and_ops(where, ops, "hx.capture")  # malformed ones raise here
 
     def forward(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, tuple[Any, ...]]]:
-        s = session("hx.capture", where, fn, args, kwargs, ops=patterns)
+        s = session("hx.capture", where, fn, args, kwargs, ops=patterns, inputs=inputs)
         y = s.run(fn, *args, **kwargs)
         return y, collect(s.session)
 
