@@ -63,6 +63,7 @@ from ._util.errors import HookaxError as HookaxError
 from ._util.errors import HookError as HookError
 from ._util.errors import SelectorError as SelectorError
 from ._util.errors import StoreError as StoreError
+from ._util.fnkey import RecompileWarning as RecompileWarning
 
 try:
     __version__ = _metadata.version("hookax")
@@ -81,6 +82,7 @@ __all__ = [
     "OpContext",
     "OpRow",
     "Ops",
+    "RecompileWarning",
     "Select",
     "Selector",
     "SelectorError",

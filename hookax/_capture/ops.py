@@ -24,7 +24,7 @@ from .._hooks import layergate as _layergate
 from .._transforms import tags as _tags
 from .._transforms.optrace import OpContext, Site, Walker, push_scope
 from .._util.errors import HookaxError, SelectorError
-from .._util.fnkey import FnKey
+from .._util.fnkey import FnKey, note_fresh
 
 __all__ = [
     "OpHandler",
@@ -433,7 +433,9 @@ def intercept_op(
         )
     _check_two_args(fn)
     patterns = parse_ops(ops, "hx.intercept_op")
-    return _edit_block(OpHandler("edit", FnKey(fn), patterns))
+    key = FnKey(fn)
+    note_fresh(key, "hx.intercept_op")
+    return _edit_block(OpHandler("edit", key, patterns))
 
 
 @dataclasses.dataclass(frozen=True)

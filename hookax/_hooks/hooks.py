@@ -23,7 +23,7 @@ from .._engine import adapters as _frameworks
 from .._engine import context as _context
 from .._engine.select import CALL_ONLY, as_selector
 from .._util.errors import HookaxError, SelectorError
-from .._util.fnkey import FnKey
+from .._util.fnkey import FnKey, note_fresh
 from .hookcheck import check_arity
 from .intercept import Entry, tracked
 
@@ -486,5 +486,6 @@ def hooks(
         check_arity(fn, kind, kw, "hooks", f"the call sites where={where!r} selects")
         always = always_call and kind == "forward"
         records.append(HookRecord(kind, fn, with_kwargs=kw, always_call=always))
+        note_fresh(records[-1].key, "hx.hooks")
     entry = Entry("hooks", tuple(records), as_selector(where, CALL_ONLY))
     return tracked(entry, "hx.hooks", where)

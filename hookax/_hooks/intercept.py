@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from .._engine import adapters as _frameworks
 from .._engine import context as _context
 from .._engine.select import ALL_METHODS, Selector, as_selector
-from .._util.fnkey import FnKey
+from .._util.fnkey import FnKey, note_fresh
 from .hookcheck import check_arity
 
 __all__ = ["Entry", "Interceptor", "intercept", "scoped"]
@@ -187,4 +187,6 @@ def intercept(interceptor: Interceptor, *, where: Any = None) -> contextlib.Abst
     check_arity(
         interceptor, "intercept", False, "intercept", f"the call sites where={where!r} selects"
     )
-    return tracked(Entry("intercept", FnKey(interceptor), selector), "hx.intercept", where)
+    key = FnKey(interceptor)
+    note_fresh(key, "hx.intercept")
+    return tracked(Entry("intercept", key, selector), "hx.intercept", where)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
-__all__ = ["FnKey"]
+__all__ = ["FnKey", "RecompileWarning", "note_fresh"]
 
 _BY_VALUE = (int, float, complex, str, bytes, bool, type(None), type, types.CodeType, range)
 _MAX_DEPTH = 4
@@ -95,3 +95,64 @@ class FnKey:
 
     def __repr__(self) -> str:
         return f"FnKey({getattr(self.fn, '__qualname__', self.fn)!r})"
+
+
+class RecompileWarning(UserWarning):
+    """A hook or interceptor re-created over new closure values call after call.
+
+    Its key changes each time, so every jitted function retraces and, eagerly, every operation
+    of the hooked call sites recompiles (about 150x slower than a cache hit).
+    """
+
+
+# code object -> [the last key made from it, how many times in a row it changed, warned]
+_FRESH: dict[Any, list[Any]] = {}
+_FRESH_LIMIT = 8  # changes in a row before the warning
+
+
+def note_fresh(key: FnKey, who: str) -> None:
+    """Warn once per function when ``who`` (``"hx.intercept"``) keeps getting a new key for the
+    same code: a closure over a new object or constant each call."""
+    code = getattr(key.fn, "__code__", None)
+    if code is None:
+        return
+    seen = _FRESH.get(code)
+    if seen is None:
+        if len(_FRESH) > 4096:  # many distinct functions: forget the oldest
+            _FRESH.pop(next(iter(_FRESH)))
+        _FRESH[code] = [key, 0, False]
+        return
+    if seen[0] == key:
+        seen[1] = 0
+        return
+    seen[0] = key
+    seen[1] += 1
+    if seen[1] >= _FRESH_LIMIT and not seen[2]:
+        seen[2] = True
+        import warnings
+
+        name = getattr(key.fn, "__qualname__", repr(key.fn))
+        changed = _changed_cells(key.fn)
+        warnings.warn(
+            f"{who}: {name!r} ({code.co_filename}:{code.co_firstlineno}) was created "
+            f"{_FRESH_LIMIT} times in a row over different closure values{changed}; each new "
+            f"value is a new cache key, so jitted functions retrace and eager operations of the "
+            f"hooked call sites recompile every call (about 150x slower). Fix: pass the "
+            f"changing value as an argument of a jitted step that enters the block inside it "
+            f"(jax.jit(step)(model, x, value)), or define the function once outside the loop.",
+            RecompileWarning,
+            stacklevel=4,
+        )
+
+
+def _changed_cells(fn: Any) -> str:
+    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    kinds = []
+    for name, cell in zip(names, getattr(fn, "__closure__", None) or (), strict=False):
+        try:
+            v = cell.cell_contents
+        except ValueError:
+            continue
+        if not isinstance(v, _BY_VALUE) or isinstance(v, float | int):
+            kinds.append(f"{name} ({type(v).__name__})")
+    return f" (closing over {', '.join(kinds)})" if kinds else ""
