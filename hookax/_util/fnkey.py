@@ -125,8 +125,11 @@ def note_fresh(key: FnKey, who: str) -> None:
     if seen[0] == key:
         seen[1] = 0
         return
+    # Only a change of arrays held by identity counts (the footgun: a new array each step);
+    # different constants, strings or objects are different functions on purpose.
+    only_arrays = _masked(seen[0]._key) == _masked(key._key)
     seen[0] = key
-    seen[1] += 1
+    seen[1] = seen[1] + 1 if only_arrays else 0
     if seen[1] >= _FRESH_LIMIT and not seen[2]:
         seen[2] = True
         import warnings
@@ -143,6 +146,32 @@ def note_fresh(key: FnKey, who: str) -> None:
             RecompileWarning,
             stacklevel=4,
         )
+
+
+class _AnArray:
+    """Stands for any array held by identity in a key (see :func:`_masked`)."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _AnArray)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+def _masked(key: Any) -> Any:
+    """``key`` with every array held by identity replaced by one placeholder."""
+    if isinstance(key, _Id):
+        import numpy as np
+
+        obj = key.obj
+        if isinstance(obj, np.ndarray) or (
+            type(obj).__module__.startswith("jax") and hasattr(obj, "shape")
+        ):
+            return _AnArray()
+        return key
+    if type(key) is tuple:
+        return tuple(_masked(k) for k in key)
+    return key
 
 
 def _changed_cells(fn: Any) -> str:
