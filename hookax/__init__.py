@@ -44,6 +44,8 @@ from ._hooks.hooks import register_full_backward_pre_hook as register_full_backw
 from ._hooks.hooks import remove_hooks as remove_hooks
 from ._hooks.intercept import Interceptor as Interceptor
 from ._hooks.intercept import intercept as intercept
+from ._patching.patch import PatchError as PatchError
+from ._patching.patch import patching as patching
 from ._summary.summary import Memory as Memory
 from ._summary.summary import Summary as Summary
 from ._summary.summary import SummaryRow as SummaryRow
@@ -71,6 +73,7 @@ __all__ = [
     "OpContext",
     "OpRow",
     "Ops",
+    "PatchError",
     "Select",
     "Selector",
     "SelectorError",
@@ -92,6 +95,7 @@ __all__ = [
     "named_scopes",
     "open_store",
     "ops",
+    "patching",
     "plot_grad_flow",
     "register_forward_hook",
     "register_forward_pre_hook",

@@ -1,0 +1,376 @@
+"""Activation patching: ``hx.patching``, ``hx.patch_grid``, ``hx.attribution_patch`` and the
+cache helpers, against a forward written out by hand.
+
+Every framework builds the same small decoder-like stack (``L`` residual blocks
+``x + tanh(causal_mean(x) @ W + b)``, then a readout) from its library layers with the same
+weights, and the scanned NNX model runs the same blocks stacked under ``nnx.scan``. ``reference``
+is that forward in plain JAX with an explicit edit after each block: the hand-patched model every
+patched value is compared with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import hookax as hx
+
+L, B, T, D, V = 3, 2, 5, 4, 3
+_k = jax.random.split(jax.random.key(7), 4)
+W = jax.random.normal(_k[0], (L, D, D)) / 2
+BIAS = jax.random.normal(_k[1], (L, D)) / 4
+W_OUT = jax.random.normal(_k[2], (D, V))
+CLEAN = jax.random.normal(_k[3], (B, T, D))
+CORRUPT = CLEAN.at[:, 1].set(-CLEAN[:, 1] + 1.0)
+
+
+def causal_mean(x: jax.Array) -> jax.Array:
+    return jnp.cumsum(x, axis=1) / jnp.arange(1, x.shape[1] + 1, dtype=x.dtype)[:, None]
+
+
+def metric(y: jax.Array) -> jax.Array:
+    return (y[:, -1, 0] - y[:, -1, 1]).sum()
+
+
+Edit = Callable[[int, jax.Array], jax.Array]
+
+
+def reference(x: jax.Array, edit: Edit | None = None) -> jax.Array:
+    """The model by hand; ``edit(layer, h)`` rewrites each block's output (the hand patch)."""
+    for layer in range(L):
+        x = x + jnp.tanh(causal_mean(x) @ W[layer] + BIAS[layer])
+        if edit is not None:
+            x = edit(layer, x)
+    return x @ W_OUT
+
+
+def reference_acts(x: jax.Array) -> list[jax.Array]:
+    acts: list[jax.Array] = []
+    reference(x, lambda layer, h: acts.append(h) or h)
+    return acts
+
+
+def mask_of(pos: Any) -> jax.Array:
+    """A position (or mask) as a mask broadcasting over (batch, position, features)."""
+    p = jnp.asarray(pos)
+    m = p if p.dtype == jnp.bool_ else (jnp.arange(T) == p)
+    return m[:, None]
+
+
+def hand_patch(target: int, value: jax.Array, pos: Any) -> Edit:
+    m = mask_of(pos) if pos is not None else True
+    return lambda layer, h: jnp.where(m, value, h) if layer == target else h
+
+
+# --- the models -------------------------------------------------------------------------------
+
+
+class NBlock(nnx.Module):
+    def __init__(self, layer: int) -> None:
+        self.lin = nnx.Linear(D, D, rngs=nnx.Rngs(0))
+        self.lin.kernel.set_value(W[layer])
+        self.lin.bias.set_value(BIAS[layer])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + jnp.tanh(self.lin(causal_mean(x)))
+
+
+class NModel(nnx.Module):
+    def __init__(self) -> None:
+        self.layers = nnx.List([NBlock(i) for i in range(L)])
+        self.out = nnx.Linear(D, V, use_bias=False, rngs=nnx.Rngs(0))
+        self.out.kernel.set_value(W_OUT)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+class LBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + jnp.tanh(nn.Dense(D, name="lin")(causal_mean(x)))
+
+
+class LModel(nn.Module):
+    def setup(self) -> None:
+        self.layers = [LBlock() for _ in range(L)]
+        self.out = nn.Dense(V, use_bias=False)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+LINEN_PARAMS = {
+    "params": {
+        **{f"layers_{i}": {"lin": {"kernel": W[i], "bias": BIAS[i]}} for i in range(L)},
+        "out": {"kernel": W_OUT},
+    }
+}
+
+
+def _eqx_linear(w: jax.Array, b: jax.Array | None) -> eqx.nn.Linear:
+    lin = eqx.nn.Linear(w.shape[0], w.shape[1], use_bias=b is not None, key=jax.random.key(0))
+    lin = eqx.tree_at(lambda m: m.weight, lin, w.T)
+    return lin if b is None else eqx.tree_at(lambda m: m.bias, lin, b)
+
+
+class EBlock(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + jnp.tanh(jax.vmap(jax.vmap(self.lin))(causal_mean(x)))
+
+
+class EModel(eqx.Module):
+    layers: list[EBlock]
+    out: eqx.nn.Linear
+
+    def __init__(self) -> None:
+        self.layers = [EBlock(_eqx_linear(W[i], BIAS[i])) for i in range(L)]
+        self.out = _eqx_linear(W_OUT, None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = layer(x)
+        return jax.vmap(jax.vmap(self.out))(x)
+
+
+class Scanned(nnx.Module):
+    """The same blocks stacked and run under ``nnx.scan``: one call site, ``"blocks"``."""
+
+    def __init__(self) -> None:
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def make(layer: jax.Array) -> NBlock:
+            return NBlock(0)
+
+        self.blocks = make(jnp.arange(L))
+        self.blocks.lin.kernel.set_value(W)
+        self.blocks.lin.bias.set_value(BIAS)
+        self.out = nnx.Linear(D, V, use_bias=False, rngs=nnx.Rngs(0))
+        self.out.kernel.set_value(W_OUT)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x: jax.Array, block: NBlock) -> jax.Array:
+            return block(x)
+
+        return self.out(body(x, self.blocks))
+
+
+@dataclasses.dataclass
+class Framework:
+    name: str
+    fn: Any  # what patch_grid takes: the model, or Linen's apply
+    pre: tuple[Any, ...]  # arguments before the input (Linen: the variables)
+    keys: list[str]  # the blocks' call-site keys
+    jit: Callable[[Callable[..., Any]], Callable[..., Any]]
+    state: Any  # what a jitted function takes: the model, or Linen's variables
+
+    def args(self, x: jax.Array) -> tuple[Any, ...]:
+        return (*self.pre, x)
+
+    def apply(self, state: Any, x: jax.Array) -> jax.Array:
+        return self.fn(state, x) if self.name == "linen" else state(x)
+
+
+def make(name: str) -> Framework:
+    if name == "nnx":
+        m = NModel()
+        return Framework(name, m, (), [f"layers/{i}" for i in range(L)], nnx.jit, m)
+    if name == "linen":
+        keys = [f"layers_{i}" for i in range(L)]
+        return Framework(name, LModel().apply, (LINEN_PARAMS,), keys, jax.jit, LINEN_PARAMS)
+    e = EModel()
+    return Framework(name, e, (), [f"layers/{i}" for i in range(L)], eqx.filter_jit, e)
+
+
+@pytest.fixture(params=["nnx", "linen", "equinox"])
+def fw(request: Any) -> Framework:
+    return make(request.param)
+
+
+def close(a: Any, b: Any, tol: float = 1e-5) -> None:
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+CLEAN_ACTS = reference_acts(CLEAN)
+CORRUPT_ACTS = reference_acts(CORRUPT)
+M_CORRUPT = metric(reference(CORRUPT))
+
+
+def test_the_models_are_the_reference(fw: Framework) -> None:
+    close(fw.fn(*fw.args(CLEAN)), reference(CLEAN))
+    close(Scanned()(CLEAN), reference(CLEAN))
+
+
+# --- hx.patching ------------------------------------------------------------------------------
+
+
+def as_mask(pos: Any) -> Any:
+    """``positions=`` as the boolean mask over positions it stands for (None: everywhere)."""
+    if pos is None:
+        return None
+    p = jnp.asarray(pos)
+    if p.dtype == jnp.bool_:
+        return p
+    return (jnp.arange(T)[:, None] == jnp.atleast_1d(p)[None, :]).any(-1)
+
+
+POSITIONS = [jnp.int32(0), jnp.int32(3), jnp.arange(T) >= 2, jnp.array([1, 4]), None]
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_patching_equals_the_hand_patched_model(fw: Framework, mode: str, traces: Any) -> None:
+    def run(state: Any, x: jax.Array, value: jax.Array, pos: Any, key: str) -> Any:
+        traces()
+        with hx.patching({key: value}, positions=pos):
+            return fw.apply(state, x)
+
+    for layer, key in enumerate(fw.keys):
+        f = run if mode == "eager" else fw.jit(lambda s, x, v, p, key=key: run(s, x, v, p, key))
+        for pos in POSITIONS:
+            args = (fw.state, CORRUPT, CLEAN_ACTS[layer], pos)
+            got = run(*args, key) if mode == "eager" else f(*args)
+            close(got, reference(CORRUPT, hand_patch(layer, CLEAN_ACTS[layer], as_mask(pos))))
+    if mode == "jit":  # one trace per key and kind of positions (index, mask, indices, None)
+        assert traces.n == L * 4
+
+
+def test_patching_under_jax_jit_with_the_model_as_argument_and_vmap(traces: Any) -> None:
+    model = NModel()
+
+    @jax.jit
+    def row(model: NModel, x: jax.Array, value: jax.Array, masks: jax.Array) -> jax.Array:
+        traces()
+
+        def one(mask: jax.Array) -> jax.Array:
+            with hx.patching({"layers/1": value}, positions=mask):
+                return metric(model(x))
+
+        return jax.vmap(one)(masks)
+
+    masks = jnp.eye(T, dtype=bool)
+    for value in (CLEAN_ACTS[1], CLEAN_ACTS[1] + 1.0):
+        want = [metric(reference(CORRUPT, hand_patch(1, value, masks[p]))) for p in range(T)]
+        close(row(model, CORRUPT, value, masks), jnp.stack(want))
+    assert traces.n == 1
+
+
+def test_a_block_around_a_jitted_function_keys_its_cache_by_the_values() -> None:
+    model = NModel()
+    forward = nnx.jit(lambda m, x: m(x))
+    plain = forward(model, CORRUPT)
+    for value in (CLEAN_ACTS[0], CLEAN_ACTS[0] * 2):
+        with hx.patching({"layers/0": value}, positions=2):
+            got = forward(model, CORRUPT)
+        close(got, reference(CORRUPT, hand_patch(0, value, jnp.arange(T) == 2)))
+    close(forward(model, CORRUPT), plain)
+
+
+class Twice(nnx.Module):
+    """One block called twice: one call site with two calls."""
+
+    def __init__(self) -> None:
+        self.block = NBlock(0)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.block(self.block(x))
+
+
+def test_a_tuple_gives_each_call_its_value() -> None:
+    model = Twice()
+    _, acts = hx.capture(model, where="block")(CLEAN)
+    assert len(acts["block"]) == 2
+
+    @nnx.jit
+    def run(model: Twice, x: jax.Array, values: tuple, pos: jax.Array) -> jax.Array:
+        with hx.patching({"block": values}, positions=pos):
+            return model(x)
+
+    def by_hand(x: jax.Array, pos: int) -> jax.Array:
+        m = (jnp.arange(T) == pos)[:, None]
+        for value in acts["block"]:
+            x = jnp.where(m, value, model.block(x))
+        return x
+
+    for pos in (0, 3):
+        close(run(model, CORRUPT, acts["block"], jnp.int32(pos)), by_hand(CORRUPT, pos))
+        close(run(model, CORRUPT, acts["block"], jnp.int32(pos)), by_hand(CORRUPT, pos))
+
+
+def all_layers_patch(clean: list[jax.Array], pos: Any) -> Edit:
+    """The scanned stack's unsuffixed key by hand: every layer patched with its clean value."""
+    m = True if pos is None else as_mask(pos)[:, None]
+    return lambda layer, h: jnp.where(m, clean[layer], h)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "vmap"])
+def test_scanned_stack_every_layer_gets_its_own_value(mode: str) -> None:
+    model = Scanned()
+    _, acts = hx.capture(model, where="blocks")(CLEAN)
+    stacked = acts["blocks"][0]
+    assert stacked.shape == (L, B, T, D)
+    close(stacked, jnp.stack(CLEAN_ACTS))
+
+    def run(model: Scanned, x: jax.Array, value: jax.Array, pos: Any) -> jax.Array:
+        with hx.patching({"blocks": value}, positions=pos):
+            return model(x)
+
+    if mode == "vmap":
+        masks = jnp.eye(T, dtype=bool)
+        leaves, treedef = jax.tree.flatten(model)
+        one = lambda lv, m: run(jax.tree.unflatten(treedef, lv), CORRUPT, stacked, m)  # noqa: E731
+        got = jax.jit(jax.vmap(one, in_axes=(None, 0)))(leaves, masks)
+        want = [reference(CORRUPT, all_layers_patch(CLEAN_ACTS, masks[p])) for p in range(T)]
+        close(got, jnp.stack(want))
+        return
+    f = run if mode == "eager" else nnx.jit(run)
+    for pos in (jnp.int32(1), jnp.int32(4), None):
+        got = f(model, CORRUPT, acts["blocks"], pos)
+        close(got, reference(CORRUPT, all_layers_patch(CLEAN_ACTS, pos)))
+
+
+def test_a_key_that_matches_nothing_raises_naming_it() -> None:
+    model = NModel()
+    with pytest.raises(hx.SelectorError, match=r"'layers/9' matched no call site.*'layers/0'"):
+        _patched(model, {"layers/0": CLEAN_ACTS[0], "layers/9": CLEAN_ACTS[0]})
+    with pytest.raises(hx.SelectorError, match="'layer/1' matched no call site"):
+        nnx.jit(lambda m, v: _patched(m, {"layer/1": v}))(model, CLEAN_ACTS[1])
+
+
+def _patched(model: Any, values: dict, **kwargs: Any) -> Any:
+    with hx.patching(values, **kwargs):
+        return model(CORRUPT)
+
+
+def test_values_and_positions_of_the_wrong_shape_raise_naming_them() -> None:
+    model = NModel()
+    with pytest.raises(
+        hx.PatchError,
+        match=r"call site 'layers/1' has shape \(2, 4, 4\), but its output has shape "
+        r"\(2, 5, 4\)\. Expected \(2, 5, 4\), or \(n, 2, 5, 4\)",
+    ):
+        _patched(model, {"layers/1": CLEAN_ACTS[1][:, :4]})
+    with pytest.raises(hx.PatchError, match=r"mask has shape \(4,\), but call site 'layers/0'"):
+        _patched(model, {"layers/0": CLEAN_ACTS[0]}, positions=jnp.ones(4, bool))
+    with pytest.raises(hx.PatchError, match=r"axis=3 is out of range for call site 'layers/0'"):
+        _patched(model, {"layers/0": CLEAN_ACTS[0]}, positions=1, axis=3)
+    with pytest.raises(hx.PatchError, match="positions= takes an index, indices or a boolean"):
+        hx.patching({"layers/0": CLEAN_ACTS[0]}, positions=1.5)
+    with pytest.raises(hx.PatchError, match="must be an array"):
+        hx.patching({"layers/0": "clean"})
+    with pytest.raises(hx.PatchError, match="non-empty dict"):
+        hx.patching({})
