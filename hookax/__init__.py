@@ -44,6 +44,7 @@ from ._hooks.hooks import register_full_backward_pre_hook as register_full_backw
 from ._hooks.hooks import remove_hooks as remove_hooks
 from ._hooks.intercept import Interceptor as Interceptor
 from ._hooks.intercept import intercept as intercept
+from ._patching.grid import patch_grid as patch_grid
 from ._patching.patch import PatchError as PatchError
 from ._patching.patch import patching as patching
 from ._summary.summary import Memory as Memory
@@ -95,6 +96,7 @@ __all__ = [
     "named_scopes",
     "open_store",
     "ops",
+    "patch_grid",
     "patching",
     "plot_grad_flow",
     "register_forward_hook",

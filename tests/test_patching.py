@@ -374,3 +374,94 @@ def test_values_and_positions_of_the_wrong_shape_raise_naming_them() -> None:
         hx.patching({"layers/0": "clean"})
     with pytest.raises(hx.PatchError, match="non-empty dict"):
         hx.patching({})
+
+
+# --- hx.patch_grid ----------------------------------------------------------------------------
+
+
+def hand_grid(edit_for: Callable[[int, Any], Edit], rows: int) -> jax.Array:
+    """Every (row, position) cell by hand: one separately run, hand-patched forward each."""
+    return jnp.array(
+        [
+            [metric(reference(CORRUPT, edit_for(r, jnp.arange(T) == p))) for p in range(T)]
+            for r in range(rows)
+        ]
+    )
+
+
+LAYER_GRID = hand_grid(lambda layer, m: hand_patch(layer, CLEAN_ACTS[layer], m), L)
+
+
+def test_grid_equals_hand_patched_forwards(fw: Framework) -> None:
+    grid = hx.patch_grid(fw.fn, fw.args(CLEAN), fw.args(CORRUPT), metric, where=fw.keys)
+    assert grid.shape == (L, T)
+    close(grid, LAYER_GRID)
+    glob = "layers_*" if fw.name == "linen" else "layers/*"
+    close(hx.patch_grid(fw.fn, fw.args(CLEAN), fw.args(CORRUPT), metric, where=glob), grid)
+    whole = hx.patch_grid(
+        fw.fn, fw.args(CLEAN), fw.args(CORRUPT), metric, where=fw.keys, positions=None
+    )
+    assert whole.shape == (L,)
+    want = [metric(reference(CORRUPT, hand_patch(i, CLEAN_ACTS[i], None))) for i in range(L)]
+    close(whole, jnp.stack(want))
+
+
+def test_positions_masks_indices_and_chunks_give_the_same_grid() -> None:
+    model = NModel()
+    args = ((CLEAN,), (CORRUPT,), metric)
+    keys = ["layers/2", "layers/0"]  # rows in the order given
+    want = LAYER_GRID[jnp.array([2, 0])]
+    for kwargs in (
+        {},
+        {"chunk_size": 2},
+        {"chunk_size": 3},
+        {"chunk_size": 64},
+        {"positions": jnp.arange(T)},
+        {"positions": jnp.eye(T, dtype=bool), "chunk_size": 4},
+        {"positions": jnp.eye(T, dtype=bool)[:, None, :].repeat(B, 1)},  # (batch, position) masks
+    ):
+        close(hx.patch_grid(model, *args, where=keys, **kwargs), want)
+    two = hx.patch_grid(model, *args, where=keys, positions=jnp.array([[0, 3], [1, 4]]))
+    pairs = [jnp.isin(jnp.arange(T), jnp.array(p)) for p in ([0, 3], [1, 4])]
+    for r, layer in enumerate((2, 0)):
+        for c, m in enumerate(pairs):
+            close(two[r, c], metric(reference(CORRUPT, hand_patch(layer, CLEAN_ACTS[layer], m))))
+
+
+def test_scanned_stack_row_patches_every_layer() -> None:
+    model = Scanned()
+    grid = hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where="blocks", chunk_size=2)
+    want = hand_grid(lambda _, m: all_layers_patch(CLEAN_ACTS, m), 1)
+    close(grid, want)
+
+
+def test_grid_programs_are_reused_and_read_the_model_afresh(traces: Any) -> None:
+    model = NModel()
+
+    def counted(y: jax.Array) -> jax.Array:
+        traces()
+        return metric(y)
+
+    grid = hx.patch_grid(model, (CLEAN,), (CORRUPT,), counted, where="layers/*")
+    assert traces.n == L  # one program per row
+    close(hx.patch_grid(model, (CLEAN,), (CORRUPT,), counted, where="layers/*"), grid)
+    assert traces.n == L
+    model.out.kernel.set_value(-W_OUT)  # changed in place: the next grid sees it
+    close(hx.patch_grid(model, (CLEAN,), (CORRUPT,), counted, where="layers/*"), -grid)
+    assert traces.n == L
+
+
+def test_grid_targets_that_match_nothing_raise_naming_them() -> None:
+    model = NModel()
+    with pytest.raises(hx.SelectorError, match=r"where='layers/7' matched no call site.*'layers/"):
+        hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where=["layers/0", "layers/7"])
+    with pytest.raises(hx.SelectorError, match=r"where='mlp/\*' matched no call site"):
+        hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where="mlp/*")
+    with pytest.raises(hx.PatchError, match=r"mask has shape \(4,\), but call site 'layers/0'"):
+        hx.patch_grid(
+            model, (CLEAN,), (CORRUPT,), metric, where="layers/0", positions=jnp.ones((2, 4), bool)
+        )
+    with pytest.raises(hx.HookaxError, match="clean_args is the tuple of fn's positional"):
+        hx.patch_grid(model, CLEAN, (CORRUPT,), metric, where="layers/0")
+    with pytest.raises(hx.PatchError, match="chunk_size= takes a positive int"):
+        hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where="layers/0", chunk_size=0)
