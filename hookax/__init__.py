@@ -44,6 +44,7 @@ from ._hooks.hooks import register_full_backward_pre_hook as register_full_backw
 from ._hooks.hooks import remove_hooks as remove_hooks
 from ._hooks.intercept import Interceptor as Interceptor
 from ._hooks.intercept import intercept as intercept
+from ._patching.attribution import attribution_patch as attribution_patch
 from ._patching.grid import patch_grid as patch_grid
 from ._patching.patch import PatchError as PatchError
 from ._patching.patch import patching as patching
@@ -84,6 +85,7 @@ __all__ = [
     "Summary",
     "SummaryRow",
     "SummaryTotals",
+    "attribution_patch",
     "capture",
     "grad_flow",
     "harvest",
