@@ -45,6 +45,9 @@ from ._hooks.hooks import remove_hooks as remove_hooks
 from ._hooks.intercept import Interceptor as Interceptor
 from ._hooks.intercept import intercept as intercept
 from ._patching.attribution import attribution_patch as attribution_patch
+from ._patching.cache import logit_lens as logit_lens
+from ._patching.cache import split_heads as split_heads
+from ._patching.cache import stack_layers as stack_layers
 from ._patching.grid import patch_grid as patch_grid
 from ._patching.patch import PatchError as PatchError
 from ._patching.patch import patching as patching
@@ -95,6 +98,7 @@ __all__ = [
     "intercept_op",
     "key_linen_interceptors",
     "layer_grad_norms",
+    "logit_lens",
     "named_scopes",
     "open_store",
     "ops",
@@ -107,6 +111,8 @@ __all__ = [
     "register_full_backward_pre_hook",
     "remove_hooks",
     "splice_eval",
+    "split_heads",
+    "stack_layers",
     "summary",
     "token_batches",
     "value_and_grad",

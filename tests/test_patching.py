@@ -516,3 +516,39 @@ def test_attribution_of_a_scanned_stack_sums_its_layers() -> None:
 def test_attribution_needs_a_scalar_metric() -> None:
     with pytest.raises(hx.PatchError, match="the metric must return a scalar"):
         hx.attribution_patch(NModel(), (CLEAN,), (CORRUPT,), lambda y: y[:, -1], where="layers/0")
+
+
+# --- cache helpers ----------------------------------------------------------------------------
+
+
+def test_stack_layers_is_one_layout_for_unrolled_and_scanned_stacks() -> None:
+    want = jnp.stack(CLEAN_ACTS)
+    _, unrolled = hx.capture(NModel(), where="layers/*")(CLEAN)
+    _, scanned = hx.capture(Scanned(), where="blocks")(CLEAN)
+    close(hx.stack_layers(unrolled, "layers/*"), want)
+    close(hx.stack_layers(scanned, "blocks"), want)
+    _, twice = hx.capture(Twice(), where="block")(CLEAN)
+    assert hx.stack_layers(twice, "block").shape == (2, B, T, D)  # one key, its calls
+    with pytest.raises(hx.SelectorError, match=r"where='layer/\*' matched no captured key"):
+        hx.stack_layers(unrolled, "layer/*")
+    with pytest.raises(hx.PatchError, match="'block' ran 2 times"):
+        hx.stack_layers(twice, "*")
+
+
+def test_logit_lens_reads_out_every_layer() -> None:
+    model = Scanned()
+    _, acts = hx.capture(model, where="blocks")(CLEAN)
+    lens = hx.logit_lens(model.out, acts, "blocks")
+    assert lens.shape == (L, B, T, V)
+    close(lens, jnp.stack([h @ W_OUT for h in CLEAN_ACTS]))
+    close(lens[-1], reference(CLEAN))  # the last layer's readout is the model's output
+
+
+def test_split_heads() -> None:
+    x = jnp.arange(2 * 3 * 8.0).reshape(2, 3, 8)
+    heads = hx.split_heads(x, 4)
+    assert heads.shape == (2, 3, 4, 2)
+    close(heads[:, :, 1], x[:, :, 2:4])
+    assert hx.split_heads(x.transpose(0, 2, 1), 2, axis=1).shape == (2, 2, 4, 3)
+    with pytest.raises(hx.PatchError, match="axis -1 has size 8, which 3 heads do not divide"):
+        hx.split_heads(x, 3)
