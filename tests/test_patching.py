@@ -239,7 +239,8 @@ def test_patching_equals_the_hand_patched_model(fw: Framework, mode: str, traces
         with hx.patching({key: value}, positions=pos):
             return fw.apply(state, x)
 
-    for layer, key in enumerate(fw.keys):
+    # Eagerly each block with new values recompiles every operation: one layer is enough.
+    for layer, key in enumerate(fw.keys) if mode == "jit" else [(1, fw.keys[1])]:
         f = run if mode == "eager" else fw.jit(lambda s, x, v, p, key=key: run(s, x, v, p, key))
         for pos in POSITIONS:
             args = (fw.state, CORRUPT, CLEAN_ACTS[layer], pos)
