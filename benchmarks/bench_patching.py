@@ -170,7 +170,8 @@ def main() -> dict[str, Any]:
         t0 = time.perf_counter()
         fn()
         first[name] = time.perf_counter() - t0
-    times = interleaved(fns, rounds=ROUNDS, inner=1)
+    inner = {"loop_jit": 1, "grid": 2, "hand_grid": 2, "attribution": 10}
+    times = interleaved(fns, rounds=ROUNDS, inner=inner)
     recipe = _recipe(model, clean, corrupt, metric) * len(cells)
 
     results = {name: np.asarray(fn()) for name, fn in fns.items()}
