@@ -553,3 +553,17 @@ def test_split_heads() -> None:
     assert hx.split_heads(x.transpose(0, 2, 1), 2, axis=1).shape == (2, 2, 4, 3)
     with pytest.raises(hx.PatchError, match="axis -1 has size 8, which 3 heads do not divide"):
         hx.split_heads(x, 3)
+
+
+def test_patching_under_jax_grad_equals_the_hand_gradient() -> None:
+    model = NModel()
+    mask = jnp.arange(T) == 3
+
+    def patched(value: jax.Array) -> jax.Array:
+        with hx.patching({"layers/1": value}, positions=mask):
+            return metric(model(CORRUPT))
+
+    def by_hand(value: jax.Array) -> jax.Array:
+        return metric(reference(CORRUPT, hand_patch(1, value, mask)))
+
+    close(jax.jit(jax.grad(patched))(CLEAN_ACTS[1]), jax.grad(by_hand)(CLEAN_ACTS[1]))
