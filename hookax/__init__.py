@@ -53,6 +53,13 @@ from ._hooks.hooks import register_full_backward_pre_hook as register_full_backw
 from ._hooks.hooks import remove_hooks as remove_hooks
 from ._hooks.intercept import Interceptor as Interceptor
 from ._hooks.intercept import intercept as intercept
+from ._patching.attribution import attribution_patch as attribution_patch
+from ._patching.cache import logit_lens as logit_lens
+from ._patching.cache import split_heads as split_heads
+from ._patching.cache import stack_layers as stack_layers
+from ._patching.grid import patch_grid as patch_grid
+from ._patching.patch import PatchError as PatchError
+from ._patching.patch import patching as patching
 from ._summary.summary import Memory as Memory
 from ._summary.summary import Summary as Summary
 from ._summary.summary import SummaryRow as SummaryRow
@@ -81,6 +88,7 @@ __all__ = [
     "OpContext",
     "OpRow",
     "Ops",
+    "PatchError",
     "Select",
     "Selector",
     "SelectorError",
@@ -92,6 +100,7 @@ __all__ = [
     "SummaryRow",
     "SummaryTotals",
     "Values",
+    "attribution_patch",
     "capture",
     "grad_flow",
     "harvest",
@@ -101,9 +110,12 @@ __all__ = [
     "intercept_op",
     "key_linen_interceptors",
     "layer_grad_norms",
+    "logit_lens",
     "named_scopes",
     "open_store",
     "ops",
+    "patch_grid",
+    "patching",
     "plot_grad_flow",
     "register_forward_hook",
     "register_forward_pre_hook",
@@ -112,6 +124,8 @@ __all__ = [
     "remove_hooks",
     "show",
     "splice_eval",
+    "split_heads",
+    "stack_layers",
     "summary",
     "token_batches",
     "value_and_grad",

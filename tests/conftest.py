@@ -38,6 +38,7 @@ def traces() -> TraceCounter:
 # pages are doctests and cannot carry a decorator.
 SLOW = (
     "docs/attention.md::",
+    "docs/patching.md::",
     "docs/sae.md::",
     "docs/param_noise.md::",
     "docs/gradients.md::",
