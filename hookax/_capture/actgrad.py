@@ -172,15 +172,16 @@ def value_and_grad(
       A function of ``fn``'s arguments returning ``(loss, grads, act_grads)``, or
       ``((loss, aux), grads, act_grads)`` with ``has_aux=True``.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    >>> def loss_fn(model, x):
-    ...     return jnp.sum(model(x) ** 2)
-    >>> loss, grads, act_grads = hx.value_and_grad(loss_fn)(model, jnp.ones((3, 2)))
-    >>> bool(jnp.allclose(act_grads[""][0], 2 * model(jnp.ones((3, 2)))))
-    True
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> def loss_fn(model, x):
+      ...     return jnp.sum(model(x) ** 2)
+      >>> loss, grads, act_grads = hx.value_and_grad(loss_fn)(model, jnp.ones((3, 2)))
+      >>> bool(jnp.allclose(act_grads[""][0], 2 * model(jnp.ones((3, 2)))))
+      True
     """
     if not callable(fn):
         raise HookaxError(

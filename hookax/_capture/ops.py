@@ -376,14 +376,15 @@ def named_scopes() -> contextlib.AbstractContextManager[None]:
     metadata: the optimized program is the same. Active scopes are part of the jit cache key, so
     a function traced inside the block is traced again outside it.
 
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
-    >>> with hx.named_scopes():
-    ...     compiled = jax.jit(lambda m, x: m(x)).lower(model, jnp.ones((1, 2))).compile()
-    >>> 'op_name="jit(<lambda>)/Sequential/layers/0/dot_general"' in compiled.as_text()
-    True
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
+      >>> with hx.named_scopes():
+      ...     compiled = jax.jit(lambda m, x: m(x)).lower(model, jnp.ones((1, 2))).compile()
+      >>> 'op_name="jit(<lambda>)/Sequential/layers/0/dot_general"' in compiled.as_text()
+      True
     """
     from .._hooks.intercept import Entry, scoped
 
@@ -412,19 +413,20 @@ def intercept_op(
       SelectorError: at the end of the block, when an address matched no operation that ran.
       HookError: ``fn`` returned a value of another structure or shape.
 
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> class Block(nnx.Module):
-    ...     def __init__(self):
-    ...         self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
-    ...     def __call__(self, x):
-    ...         return jax.nn.relu(self.lin(x)) * 2.0
-    >>> block = Block()
-    >>> with hx.intercept_op(lambda v, op: jnp.zeros_like(v), ops=":relu"):
-    ...     y = block(jnp.ones((1, 3)))
-    >>> y
-    Array([[0., 0., 0.]], dtype=float32)
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> class Block(nnx.Module):
+      ...     def __init__(self):
+      ...         self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+      ...     def __call__(self, x):
+      ...         return jax.nn.relu(self.lin(x)) * 2.0
+      >>> block = Block()
+      >>> with hx.intercept_op(lambda v, op: jnp.zeros_like(v), ops=":relu"):
+      ...     y = block(jnp.ones((1, 3)))
+      >>> y
+      Array([[0., 0., 0.]], dtype=float32)
     """
     if not callable(fn):
         raise HookaxError(

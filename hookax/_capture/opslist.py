@@ -119,17 +119,18 @@ def ops(fn: Callable[..., Any], *args: Any, where: Any = None, **kwargs: Any) ->
     Returns:
       An :class:`hx.Ops`: ``rows`` and a printable table.
 
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> class Block(nnx.Module):
-    ...     def __init__(self):
-    ...         self.lin = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
-    ...     def __call__(self, x):
-    ...         return jnp.exp(jax.nn.softmax(self.lin(x)))
-    >>> table = hx.ops(Block(), jnp.ones((2, 3)))
-    >>> [(r.address, r.within) for r in table if r.name in ("softmax", "exp", "dot_general")]
-    [('lin:dot_general', ''), (':softmax', ''), (':exp', ':softmax'), (':exp#1', '')]
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> class Block(nnx.Module):
+      ...     def __init__(self):
+      ...         self.lin = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+      ...     def __call__(self, x):
+      ...         return jnp.exp(jax.nn.softmax(self.lin(x)))
+      >>> table = hx.ops(Block(), jnp.ones((2, 3)))
+      >>> [(r.address, r.within) for r in table if r.name in ("softmax", "exp", "dot_general")]
+      [('lin:dot_general', ''), (':softmax', ''), (':exp', ':softmax'), (':exp#1', '')]
     """
     from .._hooks.intercept import Entry, tracked
     from .actgrad import eval_shape, framework_mode, is_nnx_module

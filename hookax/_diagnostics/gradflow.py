@@ -158,16 +158,17 @@ def layer_grad_norms(
     Returns:
       ``{label: norm}`` in call order.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> rngs = nnx.Rngs(0)
-    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))
-    >>> norms = layer_grad_norms(model, jnp.ones((2, 3)))
-    >>> list(norms)
-    ['layers/0', 'layers/1']
-    >>> all(v > 0 for v in norms.values())
-    True
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> rngs = nnx.Rngs(0)
+      >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))
+      >>> norms = layer_grad_norms(model, jnp.ones((2, 3)))
+      >>> list(norms)
+      ['layers/0', 'layers/1']
+      >>> all(v > 0 for v in norms.values())
+      True
     """
     return grad_flow(model, *inputs, loss_fn=loss_fn, where=where, **kwargs).outputs
 

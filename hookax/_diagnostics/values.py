@@ -98,15 +98,16 @@ def show(values: Any) -> Values:
       A :class:`hookax.Values`: printed, a table at the terminal's width; in a notebook, an
       HTML table. The arrays themselves stay in ``values``.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
-    >>> y, acts = hx.capture(model)(jnp.ones((4, 2)))
-    >>> [(r.name, r.shape, r.dtype) for r in hx.show(acts).rows]
-    [('(model)', (4, 3), 'float32'), ('layers/0', (4, 3), 'float32')]
-    >>> hx.show({"x": jnp.arange(4.0)}).rows[0].mean
-    1.5
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
+      >>> y, acts = hx.capture(model)(jnp.ones((4, 2)))
+      >>> [(r.name, r.shape, r.dtype) for r in hx.show(acts).rows]
+      [('(model)', (4, 3), 'float32'), ('layers/0', (4, 3), 'float32')]
+      >>> hx.show({"x": jnp.arange(4.0)}).rows[0].mean
+      1.5
     """
     named: list[tuple[str, Any]] = []
     if isinstance(values, dict) and all(isinstance(v, tuple) for v in values.values()):

@@ -115,10 +115,11 @@ def key_linen_interceptors(enabled: bool = True) -> bool:
     Returns:
       The previous setting.
 
-    >>> import hookax as hx
-    >>> previous = hx.key_linen_interceptors()
-    >>> hx.key_linen_interceptors(previous)
-    True
+    Examples:
+      >>> import hookax as hx
+      >>> previous = hx.key_linen_interceptors()
+      >>> hx.key_linen_interceptors(previous)
+      True
     """
     previous, LINEN_KEYED[0] = LINEN_KEYED[0], bool(enabled)
     if "flax.linen" in sys.modules:

@@ -161,10 +161,11 @@ class Select(Selector):
         ``__call__``. Left out, the consumer's default applies (every method for
         :func:`~hookax.intercept`, ``__call__`` for hooks and capture).
 
-    >>> import hookax as hx
-    >>> sel = hx.Select(paths="layers/*") & ~hx.Select(paths="layers/0")
-    >>> sel
-    (Select(paths=('layers/*',)) & ~Select(paths=('layers/0',)))
+    Examples:
+      >>> import hookax as hx
+      >>> sel = hx.Select(paths="layers/*") & ~hx.Select(paths="layers/0")
+      >>> sel
+      (Select(paths=('layers/*',)) & ~Select(paths=('layers/0',)))
     """
 
     types: Any = None

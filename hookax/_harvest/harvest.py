@@ -199,16 +199,17 @@ def harvest(
       HookaxError: the store holds another harvest; an output whose leading axes are not the
         batch's rows; a write failed (the store stays valid: rerun to resume).
 
-    >>> import tempfile
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu)
-    >>> data = [jnp.full((2, 4), float(i)) for i in range(3)]
-    >>> store = tempfile.mkdtemp() + "/acts"
-    >>> h = hx.harvest(model, data, where="layers/0", store=store, dtype=jnp.bfloat16)
-    >>> h.rows, h.read("layers/0").shape, str(h.read("layers/0").dtype)
-    (6, (6, 8), 'bfloat16')
+    Examples:
+      >>> import tempfile
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu)
+      >>> data = [jnp.full((2, 4), float(i)) for i in range(3)]
+      >>> store = tempfile.mkdtemp() + "/acts"
+      >>> h = hx.harvest(model, data, where="layers/0", store=store, dtype=jnp.bfloat16)
+      >>> h.rows, h.read("layers/0").shape, str(h.read("layers/0").dtype)
+      (6, (6, 8), 'bfloat16')
     """
     t0 = time.perf_counter()
     import jax

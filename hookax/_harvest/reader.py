@@ -241,22 +241,23 @@ class StoreReader:
         fewer rows than ``batch_size``.
       MissingExtraError: grain is not installed (``pip install "hookax[data]"``).
 
-    >>> import tempfile, jax.numpy as jnp, numpy as np
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)))
-    >>> path = tempfile.mkdtemp() + "/acts"
-    >>> data = [jnp.arange(12.0).reshape(3, 4) + i for i in range(4)]
-    >>> _ = hx.harvest(model, data, where="layers/0", store=path)
-    >>> reader = hx.StoreReader(path, "layers/0", batch_size=4, seed=0, epochs=1)
-    >>> len(reader), next(reader).shape
-    (3, (4, 8))
-    >>> state = reader.get_state()
-    >>> rest = [np.asarray(b) for b in reader]
-    >>> again = hx.StoreReader(path, "layers/0", batch_size=4, seed=0, epochs=1)
-    >>> again.set_state(state)
-    >>> all((np.asarray(a) == b).all() for a, b in zip(again, rest))
-    True
+    Examples:
+      >>> import tempfile, jax.numpy as jnp, numpy as np
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)))
+      >>> path = tempfile.mkdtemp() + "/acts"
+      >>> data = [jnp.arange(12.0).reshape(3, 4) + i for i in range(4)]
+      >>> _ = hx.harvest(model, data, where="layers/0", store=path)
+      >>> reader = hx.StoreReader(path, "layers/0", batch_size=4, seed=0, epochs=1)
+      >>> len(reader), next(reader).shape
+      (3, (4, 8))
+      >>> state = reader.get_state()
+      >>> rest = [np.asarray(b) for b in reader]
+      >>> again = hx.StoreReader(path, "layers/0", batch_size=4, seed=0, epochs=1)
+      >>> again.set_state(state)
+      >>> all((np.asarray(a) == b).all() for a, b in zip(again, rest))
+      True
     """
 
     def __init__(

@@ -97,19 +97,21 @@ def splice_eval(
       SelectorError: ``where=`` matches no call site that ``loss_fn`` runs (from
         :func:`hookax.hooks`, naming the call sites that ran).
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> rngs = nnx.Rngs(0)
-    >>> model = nnx.Sequential(nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 1, rngs=rngs))
-    >>> def loss_fn(model, x):
-    ...     return ((model(x) - 1.0) ** 2).mean()
-    >>> batches = [jnp.ones((8, 4)) * i for i in range(3)]
-    >>> r = hx.splice_eval(loss_fn, model, batches, where="layers/0", replace=lambda y: y)
-    >>> r.recovered, r.spliced_loss == r.loss
-    (1.0, True)
-    >>> hx.splice_eval(loss_fn, model, batches, where="layers/0", replace=lambda y: 0 * y).recovered
-    0.0
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> rngs = nnx.Rngs(0)
+      >>> model = nnx.Sequential(nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 1, rngs=rngs))
+      >>> def loss_fn(model, x):
+      ...     return ((model(x) - 1.0) ** 2).mean()
+      >>> batches = [jnp.ones((8, 4)) * i for i in range(3)]
+      >>> r = hx.splice_eval(loss_fn, model, batches, where="layers/0", replace=lambda y: y)
+      >>> r.recovered, r.spliced_loss == r.loss
+      (1.0, True)
+      >>> zero = hx.splice_eval(loss_fn, model, batches, where="layers/0", replace=lambda y: 0 * y)
+      >>> zero.recovered
+      0.0
     """
     import jax
     import jax.numpy as jnp

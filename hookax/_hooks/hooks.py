@@ -326,13 +326,14 @@ def register_forward_pre_hook(
     Returns:
       A :class:`HookHandle`; ``remove()`` it, or use it as a context manager.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-    >>> with hx.register_forward_pre_hook(model, lambda m, args: args[0] * 0):
-    ...     print(model(jnp.ones((1, 2))))
-    [[0. 0. 0.]]
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+      >>> with hx.register_forward_pre_hook(model, lambda m, args: args[0] * 0):
+      ...     print(model(jnp.ones((1, 2))))
+      [[0. 0. 0.]]
     """
     rec = HookRecord("forward_pre", hook, with_kwargs=with_kwargs, prepend=prepend)
     return _register(module, rec, where, "register_forward_pre_hook")
@@ -366,16 +367,17 @@ def register_forward_hook(
     Returns:
       A :class:`HookHandle`.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> rngs = nnx.Rngs(0)
-    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=rngs), nnx.Linear(3, 1, rngs=rngs))
-    >>> h = hx.register_forward_hook(model, lambda m, a, out: print(out.shape), where=nnx.Linear)
-    >>> _ = model(jnp.ones((4, 2)))
-    (4, 3)
-    (4, 1)
-    >>> h.remove()
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> rngs = nnx.Rngs(0)
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=rngs), nnx.Linear(3, 1, rngs=rngs))
+      >>> h = hx.register_forward_hook(model, lambda m, a, out: print(out.shape), where=nnx.Linear)
+      >>> _ = model(jnp.ones((4, 2)))
+      (4, 3)
+      (4, 1)
+      >>> h.remove()
     """
     rec = HookRecord(
         "forward", hook, with_kwargs=with_kwargs, always_call=always_call, prepend=prepend
@@ -396,14 +398,15 @@ def register_full_backward_pre_hook(
     (``jax.grad``, ``nnx.grad``, ``jax.vjp``), so it must be JAX-traceable; print values with
     ``jax.debug.print``.
 
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
-    >>> _ = hx.register_full_backward_pre_hook(model, lambda m, g: (g[0] * 3,))
-    >>> nnx.grad(lambda m, x: m(x).sum(), argnums=1)(model, jnp.ones((1, 1))) / model.kernel[...]
-    Array([[3.]], dtype=float32)
-    >>> hx.remove_hooks(model)
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
+      >>> _ = hx.register_full_backward_pre_hook(model, lambda m, g: (g[0] * 3,))
+      >>> nnx.grad(lambda m, x: m(x).sum(), argnums=1)(model, jnp.ones((1, 1))) / model.kernel[...]
+      Array([[3.]], dtype=float32)
+      >>> hx.remove_hooks(model)
     """
     rec = HookRecord("backward_pre", hook, prepend=prepend)
     return _register(module, rec, where, "register_full_backward_pre_hook")
@@ -424,14 +427,15 @@ def register_full_backward_hook(
     None, and must return None (or all None), as in PyTorch. JAX-traceable, like
     :func:`register_full_backward_pre_hook`.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    >>> h = hx.register_full_backward_hook(model, lambda m, gi, go: print(gi, go[0].shape))
-    >>> _ = nnx.grad(lambda m, x: m(x).sum())(model, jnp.ones((3, 2)))  # parameters only
-    (None,) (3, 1)
-    >>> h.remove()
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> h = hx.register_full_backward_hook(model, lambda m, gi, go: print(gi, go[0].shape))
+      >>> _ = nnx.grad(lambda m, x: m(x).sum())(model, jnp.ones((3, 2)))  # parameters only
+      (None,) (3, 1)
+      >>> h.remove()
     """
     rec = HookRecord("backward", hook, prepend=prepend)
     return _register(module, rec, where, "register_full_backward_hook")
@@ -463,13 +467,14 @@ def hooks(
     nested blocks run outermost first. Cache-correct under jit like :func:`~hookax.intercept`:
     pass the same hook objects to hit the caches.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-    >>> with hx.hooks(forward=lambda m, args, out: jnp.zeros_like(out)):
-    ...     print(model(jnp.ones((1, 2))))
-    [[0. 0. 0.]]
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+      >>> with hx.hooks(forward=lambda m, args, out: jnp.zeros_like(out)):
+      ...     print(model(jnp.ones((1, 2))))
+      [[0. 0. 0.]]
     """
     given = {"forward_pre": forward_pre, "forward": forward, "backward_pre": backward_pre}
     given["backward"] = backward

@@ -259,15 +259,16 @@ def summary(
     Returns:
       A :class:`Summary`.
 
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> layer = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
-    >>> s = hx.summary(layer, "f32[8,64]")
-    >>> s.title, s.rows[0].outputs, s.totals.params, s.totals.flops
-    ('Linear(f32[8,64])', ('f32[8,32]',), 2080, 33024)
-    >>> s.totals.vjp_flops  # forward and backward
-    98784
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> layer = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+      >>> s = hx.summary(layer, "f32[8,64]")
+      >>> s.title, s.rows[0].outputs, s.totals.params, s.totals.flops
+      ('Linear(f32[8,64])', ('f32[8,32]',), 2080, 33024)
+      >>> s.totals.vjp_flops  # forward and backward
+      98784
     """
     backend = _check(model, depth, method, train)
     args, kwargs = _specs_to_structs(example_args), _specs_to_structs(example_kwargs)
