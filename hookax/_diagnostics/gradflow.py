@@ -178,12 +178,13 @@ def param_grad_stats(
 ) -> dict[str, tuple[float, float]]:
     """Mean and max of ``|d loss / d (parameters)|`` of each module's own parameters.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> rngs = nnx.Rngs(0)
-    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))
-    >>> list(param_grad_stats(model, jnp.ones((2, 3))))
-    ['layers/0', 'layers/1']
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> rngs = nnx.Rngs(0)
+      >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))
+      >>> list(param_grad_stats(model, jnp.ones((2, 3))))
+      ['layers/0', 'layers/1']
     """
     return grad_flow(model, *inputs, loss_fn=loss_fn, **kwargs).params
 

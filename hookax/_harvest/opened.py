@@ -1,16 +1,17 @@
 """``hx.open_store``: a harvest store opened for reading (names, per-row shapes, rows as arrays).
 
->>> import tempfile, jax.numpy as jnp
->>> from flax import nnx
->>> import hookax as hx
->>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu)
->>> path = tempfile.mkdtemp() + "/acts"
->>> _ = hx.harvest(model, [jnp.ones((3, 4))] * 2, where="layers/0", store=path)
->>> s = hx.open_store(path)
->>> s.names, s.rows, s.shapes["layers/0"], str(s.dtypes["layers/0"])
-(('layers/0',), 6, (8,), 'float32')
->>> s.read("layers/0", 2, 4).shape
-(2, 8)
+Examples:
+  >>> import tempfile, jax.numpy as jnp
+  >>> from flax import nnx
+  >>> import hookax as hx
+  >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu)
+  >>> path = tempfile.mkdtemp() + "/acts"
+  >>> _ = hx.harvest(model, [jnp.ones((3, 4))] * 2, where="layers/0", store=path)
+  >>> s = hx.open_store(path)
+  >>> s.names, s.rows, s.shapes["layers/0"], str(s.dtypes["layers/0"])
+  (('layers/0',), 6, (8,), 'float32')
+  >>> s.read("layers/0", 2, 4).shape
+  (2, 8)
 """
 
 from __future__ import annotations
