@@ -256,7 +256,7 @@ def capture(
     ``lax.while_loop`` (the last iteration's value), ``jax.grad``, ``shard_map``. The active capture
     is part of the jit cache key.
 
-    ``ops=`` adds the values of operations inside call sites (:func:`hx.ops` lists their
+    ``ops=`` adds the values of operations inside call sites ([`hx.ops`][hookax.ops] lists their
     addresses): ``acts["layers/0/attn:softmax"]`` is a tuple, one value per call of its call
     site, carried through the same transforms (an operation inside a ``vmap`` written in the
     call site is seen batched, as the call site computes it).

@@ -397,12 +397,12 @@ def intercept_op(
     """Replace the values of operations inside call sites for the duration of a ``with`` block.
 
     ``fn(value, op)`` runs on each selected operation's output (an array, or a tuple for an
-    operation with several outputs) with its :class:`hx.OpContext`; it returns the new value,
-    of the same shape and dtype, or ``None`` to leave it. The rest of the program, and its
-    gradient, use the new value. ``ops=`` takes addresses as :func:`hx.ops` lists them
-    (``"layers/0/attn:softmax"``), with globs (``"layers/*/attn:softmax"``, ``"**:exp#*"``).
-    Edits work eagerly and under ``jax.jit``/``nnx.jit`` (the active edits are part of the jit
-    cache key), ``vmap``, ``scan`` over layers and ``jax.grad``; an operation inside a
+    operation with several outputs) with its [`hx.OpContext`][hookax.OpContext]; it returns the new
+    value, of the same shape and dtype, or ``None`` to leave it. The rest of the program, and its
+    gradient, use the new value. ``ops=`` takes addresses as [`hx.ops`][hookax.ops] lists them
+    (``"layers/0/attn:softmax"``), with globs (``"layers/*/attn:softmax"``, ``"**:exp#*"``). Edits
+    work eagerly and under ``jax.jit``/``nnx.jit`` (the active edits are part of the jit cache key),
+    ``vmap``, ``scan`` over layers and ``jax.grad``; an operation inside a
     ``custom_jvp``/``custom_vjp`` function cannot be edited (edit the function's output).
 
     Args:
@@ -440,7 +440,7 @@ def intercept_op(
 
 @dataclasses.dataclass(frozen=True)
 class OpRow:
-    """One operation inside a call site, as :func:`hx.ops` lists it.
+    """One operation inside a call site, as [`hx.ops`][hookax.ops] lists it.
 
     Attributes:
       address: what ``ops=`` takes: ``"layers/0/attn:softmax"``.

@@ -15,7 +15,8 @@ _HEADERS = ("Address", "Primitive", "Inputs", "Outputs", "Source")
 
 
 class Ops:
-    """The operations :func:`hx.ops` found: ``rows`` (:class:`hx.OpRow`), printed as a table."""
+    """The operations [`hx.ops`][hookax.ops] found: ``rows`` ([`hx.OpRow`][hookax.OpRow]),
+    printed as a table."""
 
     def __init__(self, rows: list[OpRow]) -> None:
         self.rows = rows
@@ -37,7 +38,7 @@ class Ops:
         return json.dumps([dataclasses.asdict(r) for r in self.rows], indent=1)
 
     def grid(self) -> Any:
-        """The table as a :class:`hookax._util.display.Grid` (what ``print`` and notebooks
+        """The table as a ``hookax._util.display.Grid`` (what ``print`` and notebooks
         show): one row per operation. Too wide for the terminal, each call site and each source
         line becomes a line of its own, above the operations it holds (named within the call
         site: ``:softmax``, the primitive in brackets where it differs)."""
@@ -117,7 +118,7 @@ def ops(fn: Callable[..., Any], *args: Any, where: Any = None, **kwargs: Any) ->
       **kwargs: example keyword arguments.
 
     Returns:
-      An :class:`hx.Ops`: ``rows`` and a printable table.
+      An [`hx.Ops`][hookax.Ops]: ``rows`` and a printable table.
 
     Examples:
       >>> import jax, jax.numpy as jnp

@@ -84,7 +84,7 @@ class GradFlow:
     params: dict[str, tuple[float, float]]
 
     def grid(self) -> Any:
-        """The table (a :class:`hookax._util.display.Grid`): one row per layer, the values
+        """The table (a ``hookax._util.display.Grid``): one row per layer, the values
         to 4 significant digits."""
         from .._util.display import Grid
 
@@ -145,7 +145,7 @@ def layer_grad_norms(
     Keys are call-site keys in call order (``"layers/0"``; the model's own output is left out);
     a call site called several times gets the norm over all its calls; a call site inside a
     scan over layers gets one key per layer (``"layers[3]/mlp"``). Computed with
-    :func:`hookax.value_and_grad` under ``nnx.jit``: the model is not edited.
+    [`hx.value_and_grad`][hookax.value_and_grad] under ``nnx.jit``: the model is not edited.
 
     Args:
       model: a Flax NNX or Equinox module.
@@ -196,7 +196,7 @@ def grad_flow(
     where: Any = None,
     **kwargs: Any,
 ) -> GradFlow:
-    """Both measurements of one backward pass (see :class:`GradFlow`).
+    """Both measurements of one backward pass (see [`hx.GradFlow`][hookax.GradFlow]).
 
     ``model`` is a Flax NNX or Equinox module, or a Linen module bound to its variables
     (``module.bind(variables)``: the gradients are taken with respect to its ``params``).

@@ -37,7 +37,7 @@ class ValueRow:
 
 
 class Values:
-    """The overview :func:`show` returns: ``rows`` (:class:`ValueRow`), a table when printed,
+    """The overview [`hx.show`][hookax.show] returns: ``rows`` (``ValueRow``), a table when printed,
     an HTML table in a notebook."""
 
     def __init__(self, rows: list[ValueRow]) -> None:
@@ -91,11 +91,11 @@ def show(values: Any) -> Values:
     """An overview of captured values: one row per array, with its shape and statistics.
 
     Args:
-      values: what :func:`hookax.capture` returned (``{key: (value per call, ...)}``), or any
-        pytree of arrays (rows named by their paths).
+      values: what [`hx.capture`][hookax.capture] returned (``{key: (value per call, ...)}``), or
+        any pytree of arrays (rows named by their paths).
 
     Returns:
-      A :class:`hookax.Values`: printed, a table at the terminal's width; in a notebook, an
+      A [`hx.Values`][hookax.Values]: printed, a table at the terminal's width; in a notebook, an
       HTML table. The arrays themselves stay in ``values``.
 
     Examples:

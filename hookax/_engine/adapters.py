@@ -92,7 +92,7 @@ class StaleTraceWarning(UserWarning):
 
     Linen's interceptors are not part of the jit cache key, so this is what a jitted function
     reusing a trace made without (or with another) interceptor looks like. Issued once per
-    interceptor function; see :func:`key_linen_interceptors`.
+    interceptor function; see [`hx.key_linen_interceptors`][hookax.key_linen_interceptors].
     """
 
 

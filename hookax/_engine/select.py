@@ -162,7 +162,7 @@ class Select(Selector):
       paths: a glob or tuple of globs over the path string (``"layers/*/attn"``, ``"**/mlp"``).
       methods: a method name, a tuple of names, or ``"*"`` for every public method and
         ``__call__``. Left out, the consumer's default applies (every method for
-        :func:`~hookax.intercept`, ``__call__`` for hooks and capture).
+        [`hx.intercept`][hookax.intercept], ``__call__`` for hooks and capture).
 
     Examples:
       >>> import hookax as hx

@@ -218,7 +218,8 @@ class StoreReader:
     accelerator they are copied to its memory once each, and batches are gathered there.
 
     Args:
-      store: a store's folder or an :class:`ActivationStore` (:func:`hookax.open_store`).
+      store: a store's folder or an [`hx.ActivationStore`][hookax.ActivationStore]
+        ([`hx.open_store`][hookax.open_store]).
       names: a name (batches are arrays) or a sequence of names (batches are dicts).
       batch_size: rows per batch.
       seed: the shuffle's seed.
@@ -493,7 +494,8 @@ class StoreReader:
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
-        """Continue from a :meth:`get_state` of a reader with the same arguments."""
+        """Continue from a [`get_state`][hookax.StoreReader.get_state] of a reader with the same
+        arguments."""
         mine = self.get_state()
         diff = [k for k in mine if k != "next_batch" and state.get(k) != mine[k]]
         if diff:

@@ -121,7 +121,7 @@ def token_batches(
     pad_id: int = 0,
     dtype: Any = np.int32,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Batches ``(tokens, mask)`` of a token file, for :func:`hookax.harvest`.
+    """Batches ``(tokens, mask)`` of a token file, for [`hx.harvest`][hookax.harvest].
 
     Sequences longer than ``seq_len`` are cut into consecutive pieces of ``seq_len`` tokens
     (no token is dropped); shorter ones are padded with ``pad_id`` and masked out. The last
@@ -132,7 +132,7 @@ def token_batches(
                    mask=lambda tokens, mask: mask, row_axes=2, store=...)
 
     Args:
-      path: a ``.npy``, ``.npz`` or ``.jsonl`` file (:func:`read_sequences` says what each holds).
+      path: a ``.npy``, ``.npz`` or ``.jsonl`` file (``read_sequences`` says what each holds).
       batch_size: sequences per batch.
       seq_len: tokens per sequence; default the longest sequence of the file.
       pad_id: the token id written where there is no token (the mask is False there).

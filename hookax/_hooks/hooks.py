@@ -324,7 +324,7 @@ def register_forward_pre_hook(
       prepend: run before the hooks already registered.
 
     Returns:
-      A :class:`HookHandle`; ``remove()`` it, or use it as a context manager.
+      A [`hx.HookHandle`][hookax.HookHandle]; ``remove()`` it, or use it as a context manager.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -365,7 +365,7 @@ def register_forward_hook(
       prepend: run before the hooks already registered.
 
     Returns:
-      A :class:`HookHandle`.
+      A [`hx.HookHandle`][hookax.HookHandle].
 
     Examples:
       >>> import jax.numpy as jnp
@@ -418,14 +418,15 @@ def register_full_backward_hook(
     """Run ``hook`` when JAX computes the gradients of ``module``'s positional inputs.
 
     ``hook(module, grad_input, grad_output) -> None | new_grad_input``: as in PyTorch,
-    ``grad_input`` is a tuple with one entry per positional argument (None for an argument with
-    no float arrays, or not differentiated; zeros for one that is differentiated but does not
-    reach the output) and ``grad_output`` the tuple of
-    :func:`register_full_backward_pre_hook`. A replacement is the gradient that flows on to the
-    inputs; a None entry in it means a zero gradient. When no input is differentiated (the first
-    layer, or gradients of the parameters only) the hook still runs, with ``grad_input`` all
-    None, and must return None (or all None), as in PyTorch. JAX-traceable, like
-    :func:`register_full_backward_pre_hook`.
+    ``grad_input`` is a tuple with one entry per positional argument (None for an argument with no
+    float arrays, or not differentiated; zeros for one that is differentiated but does not reach the
+    output) and ``grad_output`` the tuple of
+    [`hx.register_full_backward_pre_hook`][hookax.register_full_backward_pre_hook]. A replacement is
+    the gradient that flows on to the inputs; a None entry in it means a zero gradient. When no
+    input is differentiated (the first layer, or gradients of the parameters only) the hook still
+    runs, with ``grad_input`` all None, and must return None (or all None), as in PyTorch.
+    JAX-traceable, like
+    [`hx.register_full_backward_pre_hook`][hookax.register_full_backward_pre_hook].
 
     Examples:
       >>> import jax.numpy as jnp
@@ -460,12 +461,12 @@ def hooks(
 ) -> contextlib.AbstractContextManager[None]:
     """Hooks on every selected call site, for a ``with`` block on this thread.
 
-    Same signatures and semantics as the ``register_*`` functions (``forward_pre`` and
-    ``forward`` get keyword arguments when ``with_kwargs=True``; ``forward`` also runs when a
-    pre-hook or the method raised when ``always_call=True``). At each call site scoped hooks
-    run before the module's own hooks of the same kind, as PyTorch's global module hooks do;
-    nested blocks run outermost first. Cache-correct under jit like :func:`~hookax.intercept`:
-    pass the same hook objects to hit the caches.
+    Same signatures and semantics as the ``register_*`` functions (``forward_pre`` and ``forward``
+    get keyword arguments when ``with_kwargs=True``; ``forward`` also runs when a pre-hook or the
+    method raised when ``always_call=True``). At each call site scoped hooks run before the module's
+    own hooks of the same kind, as PyTorch's global module hooks do; nested blocks run outermost
+    first. Cache-correct under jit like [`hx.intercept`][hookax.intercept]: pass the same hook
+    objects to hit the caches.
 
     Examples:
       >>> import jax.numpy as jnp
