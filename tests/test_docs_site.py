@@ -6,10 +6,13 @@ instead of code blocks, Sphinx roles (``:func:``) printed as they are, a private
 signature, a page left out of the navigation, and images that are not in the site.
 """
 
+import doctest
 import html
 import inspect
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +29,7 @@ DOCS = ROOT / "docs"
 HIGHLIGHT = re.compile(r'<div class="highlight">(.*?)</div>', re.S)
 TAG = re.compile(r"<[^>]+>")
 ROLE = re.compile(r":(func|class|meth|mod|data|attr|exc|obj):(<code>|`)")
+CODE = re.compile(r"<code[^>]*>(.*)</code>", re.S)
 IMG = re.compile(r"<img\b[^>]*\bsrc=\"([^\"]+)\"")
 DOCTEST_FLAGS = re.compile(r"\s*#\s*doctest:.*$")
 
@@ -111,3 +115,39 @@ def test_every_image_a_page_shows_is_in_the_site(site: Path) -> None:
             assert target.is_file(), f"{page.relative_to(site)}: <img src={src!r}> is missing"
             shown.add(target.relative_to(site.resolve()).as_posix())
     assert {"images/attention.png", "images/sae.png", "images/layers.svg"} <= shown
+
+
+def test_copy_button_copies_doctests_as_runnable_code(site: Path) -> None:
+    """docs/javascripts/copy.js (run by node) turns each doctest block into its code alone."""
+    for page in site.rglob("*.html"):
+        assert "javascripts/copy.js" in page.read_text(), f"{page.relative_to(site)}: no copy.js"
+    node = shutil.which("node")
+    if node is None:
+        pytest.skip("node is not installed")
+    blocks = [
+        text(CODE.search(block)[1])
+        for page in sorted(site.rglob("*.html"))
+        for block in HIGHLIGHT.findall(page.read_text())
+        if CODE.search(block)
+    ]
+    script = (
+        f"const {{promptFree}} = require({json.dumps(str(DOCS / 'javascripts/copy.js'))});"
+        "const blocks = JSON.parse(require('fs').readFileSync(0, 'utf8'));"
+        "console.log(JSON.stringify(blocks.map(promptFree)));"
+    )
+    run = subprocess.run(
+        [node, "-e", script], input=json.dumps(blocks), capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 0, run.stderr
+    copied = json.loads(run.stdout)
+    doctests = 0
+    for block, code in zip(blocks, copied, strict=True):
+        if not block.startswith(">>>"):
+            assert code is None  # copied as shown
+            continue
+        doctests += 1
+        compile(code, "copied block", "exec")  # pastes as Python
+        examples = doctest.DocTestParser().get_examples(block)
+        want = [line for e in examples for line in e.source.splitlines() if line.strip()]
+        assert [line for line in code.splitlines() if line.strip()] == want
+    assert doctests > 100
