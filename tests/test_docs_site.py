@@ -151,3 +151,13 @@ def test_copy_button_copies_doctests_as_runnable_code(site: Path) -> None:
         want = [line for e in examples for line in e.source.splitlines() if line.strip()]
         assert [line for line in code.splitlines() if line.strip()] == want
     assert doctests > 100
+
+
+def test_home_page_says_what_hookax_is_how_to_install_and_shows_it(site: Path) -> None:
+    index = (site / "index.html").read_text()
+    body = index[index.index('<h1 id="hookax">') : index.index('<h2 id="recipes">')]
+    assert "PyTorch-style hooks" in text(body)
+    blocks = [text(block) for block in HIGHLIGHT.findall(body)]
+    assert blocks[0].strip() == 'pip install "hookax[nnx]"'
+    assert blocks[1].startswith(">>> import") and "hx.capture" in blocks[1]
+    assert IMG.findall(body) == ["images/attention.png"]
