@@ -2,9 +2,10 @@
 
 The public API is the names in ``__all__``; everything else lives in private modules.
 
->>> import hookax as hx
->>> hx.__version__ != ""
-True
+Examples:
+  >>> import hookax as hx
+  >>> hx.__version__ != ""
+  True
 """
 
 # First, before JAX loads: in the `hookax` command, Ctrl-C is one line and exit 130, never a crash

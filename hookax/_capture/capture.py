@@ -256,7 +256,7 @@ def capture(
     ``lax.while_loop`` (the last iteration's value), ``jax.grad``, ``shard_map``. The active capture
     is part of the jit cache key.
 
-    ``ops=`` adds the values of operations inside call sites (:func:`hx.ops` lists their
+    ``ops=`` adds the values of operations inside call sites ([`hx.ops`][hookax.ops] lists their
     addresses): ``acts["layers/0/attn:softmax"]`` is a tuple, one value per call of its call
     site, carried through the same transforms (an operation inside a ``vmap`` written in the
     call site is seen batched, as the call site computes it).
@@ -275,13 +275,14 @@ def capture(
       HookaxError: a selected call site ran where its value cannot be carried out (the message
         names it, the transform, and the fix).
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
-    >>> y, acts = hx.capture(model)(jnp.ones((4, 2)))
-    >>> {k: [v.shape for v in vs] for k, vs in acts.items()}
-    {'': [(4, 3)], 'layers/0': [(4, 3)]}
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
+      >>> y, acts = hx.capture(model)(jnp.ones((4, 2)))
+      >>> {k: [v.shape for v in vs] for k, vs in acts.items()}
+      {'': [(4, 3)], 'layers/0': [(4, 3)]}
     """
     if not callable(fn):
         raise HookaxError(

@@ -142,13 +142,13 @@ def harvest(
 ) -> Harvest:
     """Run ``fn`` over ``batches`` under jit and append the selected call sites' outputs to disk.
 
-    Each batch is ``fn``'s positional arguments (a tuple, or one value). Every captured output
-    (as :func:`hookax.capture` returns it) becomes one zarr v3 array in ``store``, named by its
-    call-site key, with one *row* per entry of its leading ``row_axes`` axes: a ``(batch, seq,
-    d)`` output with ``row_axes=2`` gives ``batch * seq`` rows of ``d`` values. A call site
-    inside ``nnx.scan``/``lax.scan`` over layers, whose captured value is stacked ``(layers,
-    batch, ...)``, gives one array per layer, ``key[i]``, with the same rows. Rows of later
-    batches are appended after earlier ones; ``_source`` records each row's batch and position.
+    Each batch is ``fn``'s positional arguments (a tuple, or one value). Every captured output (as
+    [`hx.capture`][hookax.capture] returns it) becomes one zarr v3 array in ``store``, named by its
+    call-site key, with one *row* per entry of its leading ``row_axes`` axes: a ``(batch, seq, d)``
+    output with ``row_axes=2`` gives ``batch * seq`` rows of ``d`` values. A call site inside
+    ``nnx.scan``/``lax.scan`` over layers, whose captured value is stacked ``(layers, batch, ...)``,
+    gives one array per layer, ``key[i]``, with the same rows. Rows of later batches are appended
+    after earlier ones; ``_source`` records each row's batch and position.
 
     Writing overlaps computing: the host copy of a batch starts as soon as its step is
     dispatched, and a writer thread writes it while the next batches compute. Values sharded over
@@ -165,9 +165,9 @@ def harvest(
       fn: an NNX module (jitted with ``nnx.jit``, the module passed as an argument) or any
         function calling modules (jitted with ``jax.jit``).
       batches: an iterable of batches; iterated once.
-      where: which call sites (as :func:`hookax.capture`); default every module's ``__call__``,
-        or none when ``ops=`` is given.
-      ops: operations inside call sites (as :func:`hookax.capture`'s ``ops=``:
+      where: which call sites (as [`hx.capture`][hookax.capture]); default every module's
+        ``__call__``, or none when ``ops=`` is given.
+      ops: operations inside call sites (as [`hx.capture`][hookax.capture]'s ``ops=``:
         ``"layers/*/attn:softmax"``), stored like call-site outputs under their addresses.
       store: the store's folder.
       dtype: store floating outputs in this dtype (cast on the device: ``jnp.bfloat16`` halves
@@ -193,22 +193,23 @@ def harvest(
         does a machine that loses power, at several times the cost per byte.
 
     Returns:
-      A :class:`Harvest` with the store's counts; ``.read(name)`` loads an array.
+      A ``Harvest`` with the store's counts; ``.read(name)`` loads an array.
 
     Raises:
       HookaxError: the store holds another harvest; an output whose leading axes are not the
         batch's rows; a write failed (the store stays valid: rerun to resume).
 
-    >>> import tempfile
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu)
-    >>> data = [jnp.full((2, 4), float(i)) for i in range(3)]
-    >>> store = tempfile.mkdtemp() + "/acts"
-    >>> h = hx.harvest(model, data, where="layers/0", store=store, dtype=jnp.bfloat16)
-    >>> h.rows, h.read("layers/0").shape, str(h.read("layers/0").dtype)
-    (6, (6, 8), 'bfloat16')
+    Examples:
+      >>> import tempfile
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu)
+      >>> data = [jnp.full((2, 4), float(i)) for i in range(3)]
+      >>> store = tempfile.mkdtemp() + "/acts"
+      >>> h = hx.harvest(model, data, where="layers/0", store=store, dtype=jnp.bfloat16)
+      >>> h.rows, h.read("layers/0").shape, str(h.read("layers/0").dtype)
+      (6, (6, 8), 'bfloat16')
     """
     t0 = time.perf_counter()
     import jax
