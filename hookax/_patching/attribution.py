@@ -109,7 +109,8 @@ def attribution_patch(
     positions: Any = "each",
     axis: int = 1,
 ) -> jax.Array:
-    """:func:`hx.patch_grid`'s grid to first order: the estimated change of the metric.
+    """The grid of [`hx.patch_grid`][hookax.patch_grid] to first order: the estimated change of
+    the metric.
 
     Entry ``[target, column]`` is ``sum((clean - corrupted) * d metric / d output)`` over the
     column's positions (for ``positions="each"``: over every axis but ``axis``) of the target's
@@ -119,22 +120,28 @@ def attribution_patch(
     forward and backward, whatever the grid's size.
 
     Args:
-      fn, clean_args, corrupt_args, where, positions, axis: as :func:`hx.patch_grid`.
+      fn: as [`hx.patch_grid`][hookax.patch_grid].
+      clean_args: as [`hx.patch_grid`][hookax.patch_grid].
+      corrupt_args: as [`hx.patch_grid`][hookax.patch_grid].
+      where: as [`hx.patch_grid`][hookax.patch_grid].
+      positions: as [`hx.patch_grid`][hookax.patch_grid].
+      axis: as [`hx.patch_grid`][hookax.patch_grid].
       metric: ``fn``'s output -> a scalar.
 
     Returns:
-      An array laid out as :func:`hx.patch_grid`'s, in float32.
+      An array laid out as [`hx.patch_grid`][hookax.patch_grid]'s, in float32.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
-    >>> clean, corrupt = jnp.ones((1, 3, 2)), jnp.zeros((1, 3, 2))
-    >>> metric = lambda y: y[0, -1].sum()
-    >>> est = hx.attribution_patch(model, (clean,), (corrupt,), metric, where="")
-    >>> exact = hx.patch_grid(model, (clean,), (corrupt,), metric, where="")
-    >>> bool(jnp.allclose(est, exact - metric(model(corrupt))))  # exact for a linear metric
-    True
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+      >>> clean, corrupt = jnp.ones((1, 3, 2)), jnp.zeros((1, 3, 2))
+      >>> metric = lambda y: y[0, -1].sum()
+      >>> est = hx.attribution_patch(model, (clean,), (corrupt,), metric, where="")
+      >>> exact = hx.patch_grid(model, (clean,), (corrupt,), metric, where="")
+      >>> bool(jnp.allclose(est, exact - metric(model(corrupt))))  # exact for a linear metric
+      True
     """
     plan = Plan(WHO, fn, clean_args, corrupt_args, metric, where, positions, axis)
     shapes = tuple(tuple(plan.shapes[k].shape) for k in plan.keys)

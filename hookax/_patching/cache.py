@@ -36,12 +36,13 @@ def stack_layers(acts: Mapping[str, tuple[Any, ...]], where: str = "layers/*") -
       SelectorError: ``where`` matched no key of ``acts`` (the message lists them).
       PatchError: a matched key ran more than once under a glob, or values differ in shape.
 
-    >>> import jax.numpy as jnp
-    >>> acts = {"layers/0": (jnp.zeros((2, 3)),), "layers/1": (jnp.ones((2, 3)),)}
-    >>> stack_layers(acts, "layers/*").shape
-    (2, 2, 3)
-    >>> stack_layers({"blocks": (jnp.zeros((4, 2, 3)),)}, "blocks").shape  # scanned: as is
-    (4, 2, 3)
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> acts = {"layers/0": (jnp.zeros((2, 3)),), "layers/1": (jnp.ones((2, 3)),)}
+      >>> stack_layers(acts, "layers/*").shape
+      (2, 2, 3)
+      >>> stack_layers({"blocks": (jnp.zeros((4, 2, 3)),)}, "blocks").shape  # scanned: as is
+      (4, 2, 3)
     """
     path, _, method = where.partition(":")
     if path:
@@ -94,14 +95,16 @@ def logit_lens(
     """``readout`` applied to every layer's value: ``[layer, *readout's output]``.
 
     With ``readout`` the model's final norm and unembedding, this is the logit lens (what each
-    layer's residual stream would predict if the model stopped there). The layers are
-    :func:`stack_layers`' (unrolled or scanned); ``readout`` runs under ``jax.vmap`` over them.
+    layer's residual stream would predict if the model stopped there). The layers are those of
+    [`hx.stack_layers`][hookax.stack_layers] (unrolled or scanned); ``readout`` runs under
+    ``jax.vmap`` over them.
 
-    >>> import jax.numpy as jnp
-    >>> acts = {"layers/0": (jnp.ones((1, 2)),), "layers/1": (2 * jnp.ones((1, 2)),)}
-    >>> logit_lens(lambda h: h.sum(-1), acts)
-    Array([[2.],
-           [4.]], dtype=float32)
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> acts = {"layers/0": (jnp.ones((1, 2)),), "layers/1": (2 * jnp.ones((1, 2)),)}
+      >>> logit_lens(lambda h: h.sum(-1), acts)
+      Array([[2.],
+             [4.]], dtype=float32)
     """
     return jax.vmap(readout)(stack_layers(acts, where))
 
@@ -110,9 +113,10 @@ def split_heads(x: Any, n_heads: int, axis: int = -1) -> jax.Array:
     """An attention output with heads concatenated on ``axis`` (``d = n_heads * d_head``), with
     that axis split into ``(n_heads, d_head)``.
 
-    >>> split_heads(jnp.arange(8.0).reshape(1, 8), 2)[0]
-    Array([[0., 1., 2., 3.],
-           [4., 5., 6., 7.]], dtype=float32)
+    Examples:
+      >>> split_heads(jnp.arange(8.0).reshape(1, 8), 2)[0]
+      Array([[0., 1., 2., 3.],
+             [4., 5., 6., 7.]], dtype=float32)
     """
     x = jnp.asarray(x)
     ax = axis % x.ndim

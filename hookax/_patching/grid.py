@@ -167,8 +167,8 @@ def patch_grid(
     computed once per chunk), at most ``chunk_size`` patches per target per program call
     (memory grows linearly with it; ``benchmarks/bench_patching.py`` reports it). Programs are
     reused by later calls with the same structure, shapes, ``fn`` and ``metric`` (functions
-    compared by code and closure, as :func:`hx.intercept` compares them); pass the model as
-    ``fn``, or among the arguments, rather than closed over.
+    compared by code and closure, as [`hx.intercept`][hookax.intercept] compares them); pass
+    the model as ``fn``, or among the arguments, rather than closed over.
 
     Args:
       fn: a module or a function of arrays (e.g. Linen's ``model.apply``).
@@ -179,7 +179,7 @@ def patch_grid(
         order) or a list of them; ``"path:method"`` for a method other than ``__call__``.
       positions: ``"each"``: one column per index along ``axis``; ``None``: one patch of the
         whole output (no column axis); or an array whose leading axis lists the patches, each an
-        index, indices or a boolean mask as :func:`hx.patching` takes them.
+        index, indices or a boolean mask as [`hx.patching`][hookax.patching] takes them.
       axis: the position axis of the targets' outputs.
       chunk_size: the most patches per target one program call runs; default a whole row.
 
@@ -191,16 +191,17 @@ def patch_grid(
       SelectorError: a ``where=`` entry matched no call site (the message lists those that ran).
       PatchError: a target whose output is not an array, or positions that do not fit it.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.tanh)
-    >>> clean, corrupt = jnp.ones((1, 3, 2)), jnp.zeros((1, 3, 2))
-    >>> grid = hx.patch_grid(model, (clean,), (corrupt,), lambda y: y[0, -1, 0], where="layers/0")
-    >>> grid.shape
-    (1, 3)
-    >>> bool(grid[0, 2] == model(clean)[0, -1, 0]), bool(grid[0, 0] == model(corrupt)[0, -1, 0])
-    (True, True)
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.tanh)
+      >>> clean, corrupt = jnp.ones((1, 3, 2)), jnp.zeros((1, 3, 2))
+      >>> grid = hx.patch_grid(model, (clean,), (corrupt,), lambda y: y[0, -1, 0], where="layers/0")
+      >>> grid.shape
+      (1, 3)
+      >>> bool(grid[0, 2] == model(clean)[0, -1, 0]), bool(grid[0, 0] == model(corrupt)[0, -1, 0])
+      (True, True)
     """
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise PatchError(f"{WHO}: chunk_size= takes a positive int or None, got {chunk_size!r}.")

@@ -139,10 +139,11 @@ def position_mask(positions: Any, shape: tuple[int, ...], axis: int, key: str) -
     boolean mask over axes ``axis - k + 1 .. axis`` (a 1-d mask over ``axis`` alone, a 2-d mask
     over the axis before it too, ...).
 
-    >>> position_mask(2, (1, 4, 3), 1, "x").ravel().tolist()
-    [False, False, True, False]
-    >>> position_mask(jnp.array([True, False]), (2, 5), 0, "x").shape
-    (2, 1)
+    Examples:
+      >>> position_mask(2, (1, 4, 3), 1, "x").ravel().tolist()
+      [False, False, True, False]
+      >>> position_mask(jnp.array([True, False]), (2, 5), 0, "x").shape
+      (2, 1)
     """
     if positions is None:
         return None
@@ -199,7 +200,7 @@ def patching(
 ) -> contextlib.AbstractContextManager[None]:
     """Replace the outputs of call sites with given values for the duration of a ``with`` block.
 
-    ``values`` maps call-site keys (as :func:`hx.capture` names them: ``"layers/3"``,
+    ``values`` maps call-site keys (as [`hx.capture`][hookax.capture] names them: ``"layers/3"``,
     ``"encoder:encode"``) to the value their output takes: an array of the output's shape, or a
     tuple with one per call (what ``hx.capture`` returns for the key: the i-th call gets the
     i-th). An array with one more leading axis than the output holds one value per run of a call
@@ -227,17 +228,18 @@ def patching(
       PatchError: a value or mask of the wrong shape for its call site (names the key, the
         expected and the given shapes).
 
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.tanh)
-    >>> @jax.jit
-    ... def run(model, x, value, pos):
-    ...     with hx.patching({"layers/0": value}, positions=pos):
-    ...         return model(x)
-    >>> x = jnp.ones((1, 3, 2))
-    >>> run(model, x, jnp.zeros((1, 3, 2)), 1)[0, :, 0] == 0
-    Array([False,  True, False], dtype=bool)
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.tanh)
+      >>> @jax.jit
+      ... def run(model, x, value, pos):
+      ...     with hx.patching({"layers/0": value}, positions=pos):
+      ...         return model(x)
+      >>> x = jnp.ones((1, 3, 2))
+      >>> run(model, x, jnp.zeros((1, 3, 2)), 1)[0, :, 0] == 0
+      Array([False,  True, False], dtype=bool)
     """
     if not isinstance(values, Mapping) or not values:
         raise PatchError(

@@ -122,7 +122,7 @@ def out_spec(key: str, found: dict[str, list[Any]], who: str) -> Any:
 
 def columns(positions: Any, axis: int, shapes: dict[str, Any], who: str) -> Any:
     """The patches of one row: ``None`` (one patch, whole outputs) or an array whose leading
-    axis enumerates them, each an index or a mask as :func:`hx.patching` takes it."""
+    axis enumerates them, each an index or a mask as [`hx.patching`][hookax.patching] takes it."""
     if positions is None:
         return None
     if isinstance(positions, str):
