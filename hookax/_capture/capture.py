@@ -16,6 +16,9 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
+import numpy as np
+
 from .._engine.select import (
     ALL_METHODS,
     CALL_ONLY,
@@ -120,6 +123,42 @@ class _Session:
         return out
 
 
+def check_steps(session: _tags.Session) -> None:
+    """Raise when a ``while`` loop ran more iterations than ``while_steps`` keeps, where the
+    counts are known (eagerly, or around a jitted function); under jit they are not, and the
+    rows past the bound are dropped."""
+    n = session.while_steps
+    for r in session.records:
+        for count in r.counts:
+            if isinstance(count, jax.core.Tracer):
+                continue
+            ran = int(np.max(count)) if np.size(count) else 0
+            if n is not None and ran > n:
+                raise HookaxError(
+                    f"{session.who}(while_steps={n}): the jax.lax.while_loop holding "
+                    f"{r.spec.what(r.key)} ran {ran} iterations; only the first {n} were kept. "
+                    f"Fix: {session.who}(..., while_steps={ran}) or more (the loop's largest "
+                    f"number of iterations)."
+                )
+
+
+def validate_while_steps(while_steps: Any, who: str) -> int | None:
+    """``while_steps=`` checked: None, or a positive int."""
+    if while_steps is None:
+        return None
+    if isinstance(while_steps, bool) or not isinstance(while_steps, int | np.integer):
+        raise HookaxError(
+            f"{who}: while_steps must be a positive int (the most iterations of a "
+            f"jax.lax.while_loop to keep), got {while_steps!r}. Fix: while_steps=64."
+        )
+    if while_steps < 1:
+        raise HookaxError(
+            f"{who}: while_steps must be at least 1, got {while_steps}. Fix: leave it out to "
+            f"keep the last iteration only, or while_steps=64 to keep up to 64."
+        )
+    return int(while_steps)
+
+
 class _NoSites:
     """``where=`` left out next to ``ops=``: no call site's output, only the operations."""
 
@@ -144,14 +183,17 @@ def session(
     mode: str = "reap",
     probes: Any = None,
     ops: tuple[Any, ...] = (),
+    while_steps: int | None = None,
 ) -> _Session:
     """A session for ``who`` (``"hx.capture"``, ``"hx.value_and_grad"``) over ``fn(*args)``;
-    ``ops`` are parsed ``ops=`` patterns, and ``where`` may be :data:`_NO_SITES`."""
+    ``ops`` are parsed ``ops=`` patterns, and ``where`` may be :data:`_NO_SITES`;
+    ``while_steps``: the rows each ``while`` loop stacks its iterations into (None: last only)."""
     if where is _NO_SITES:
         selector: Any = _NONE_SELECTED
     else:
         selector = as_selector(resolve_instances(where, (fn, args, kwargs)), CALL_ONLY)
-    return _Session(_tags.Session(next_sid(), who, mode, probes), selector, where, ops)
+    inner = _tags.Session(next_sid(), who, mode, probes, while_steps)
+    return _Session(inner, selector, where, ops)
 
 
 def where_and_ops(where: Any, ops: Any, who: str) -> tuple[Any, tuple[Any, ...]]:
@@ -181,9 +223,23 @@ def collect(session: _tags.Session) -> dict[str, tuple[Any, ...]]:
     return {k: tuple(v) for k, v in acts.items() if v}
 
 
+def collect_steps(session: _tags.Session) -> dict[str, tuple[Any, ...]]:
+    """``{key: (count, ...)}``: for each call of a call site inside a bounded ``while`` loop, the
+    iteration count of the innermost one, in the order of :func:`collect`."""
+    steps: dict[str, list[Any]] = {}
+    for r in session.records:
+        if r.n_counts:
+            steps.setdefault(r.key, []).append(r.counts[0])
+    return {k: tuple(v) for k, v in steps.items()}
+
+
 def capture(
-    fn: Callable[..., Any], *, where: Any = _DEFAULT, ops: Any = None
-) -> Callable[..., tuple[Any, dict]]:
+    fn: Callable[..., Any],
+    *,
+    where: Any = _DEFAULT,
+    ops: Any = None,
+    while_steps: int | None = None,
+) -> Callable[..., tuple[Any, ...]]:
     """Wrap ``fn`` to also return the outputs of the selected call sites it runs.
 
     ``forward = hx.capture(fn, where=...)``; ``y, acts = forward(*args, **kwargs)``. ``acts`` maps
@@ -197,8 +253,21 @@ def capture(
     ``lax.scan``/``nnx.scan``/``nn.scan``/``lax.map`` over layers (one entry for the scanned call
     site, stacked on the scan axis), ``jax.checkpoint``/``nnx.remat``, ``lax.cond``/``switch``
     (the taken branch's value; NaN where the call site is in a branch not taken),
-    ``lax.while_loop`` (the last iteration's value), ``jax.grad``, ``shard_map``. The active capture
-    is part of the jit cache key.
+    ``lax.while_loop`` (the last iteration's value; every iteration with ``while_steps=``, below),
+    ``jax.grad``, ``shard_map``. The active capture is part of the jit cache key.
+
+    Every step of a ``lax.while_loop`` (a decode loop, ``fori_loop`` with traced bounds):
+    ``y, acts, steps = hx.capture(fn, where=..., while_steps=N)(*args)``. A call site inside the
+    loop is stacked like a scan's: ``acts[key][i]`` has a leading axis of ``N`` rows, row ``t``
+    holding iteration ``t``, and ``steps[key][i]`` is the number of iterations the loop ran (an
+    int32 array; for nested loops, the innermost loop's count, stacked by the outer loop). The
+    shape is the same eagerly and under jit; rows from the count on hold NaN (integers: the
+    dtype's minimum, booleans: False), so ``acts[key][0][: int(steps[key][0])]`` are the steps
+    that ran. The rows are buffers carried through the loop, written in place: memory is ``N``
+    times one iteration's values, time one row write per iteration. A loop that runs more than
+    ``N`` iterations raises :class:`hx.HookaxError` where the count is known when the call
+    returns (eagerly, or around a jitted function); inside a jitted function it is not, and the
+    iterations from ``N`` on are dropped.
 
     ``ops=`` adds the values of operations inside call sites (:func:`hx.ops` lists their
     addresses): ``acts["layers/0/attn:softmax"]`` is a tuple, one value per call of its call
@@ -210,14 +279,18 @@ def capture(
       where: which call sites; default every module's ``__call__``, or none when ``ops=`` is
         given. A module instance selects that module.
       ops: operation addresses (``"layers/0/attn:softmax"``, ``"**:dot_general#*"``), or a list.
+      while_steps: keep every iteration of each ``lax.while_loop``, up to this many (rows of
+        the stacked values); default None: the last iteration only.
 
     Returns:
-      A function taking ``fn``'s arguments and returning ``(fn's output, acts)``.
+      A function taking ``fn``'s arguments and returning ``(fn's output, acts)``, or ``(fn's
+      output, acts, steps)`` with ``while_steps=``.
 
     Raises:
       SelectorError: ``where=`` matched no call site that ran (the message lists those that did).
       HookaxError: a selected call site ran where its value cannot be carried out (the message
-        names it, the transform, and the fix).
+        names it, the transform, and the fix); a while loop ran more than ``while_steps``
+        iterations (where the count is known).
 
     >>> import jax.numpy as jnp
     >>> from flax import nnx
@@ -226,6 +299,19 @@ def capture(
     >>> y, acts = hx.capture(model)(jnp.ones((4, 2)))
     >>> {k: [v.shape for v in vs] for k, vs in acts.items()}
     {'': [(4, 3)], 'layers/0': [(4, 3)]}
+
+    Every step of a decode loop written with ``lax.while_loop``:
+
+    >>> import jax
+    >>> cell = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+    >>> def decode(cell, h, n):
+    ...     body = lambda c: (c[0] + 1, jnp.tanh(cell(c[1])))
+    ...     return jax.lax.while_loop(lambda c: c[0] < n, body, (0, h))[1]
+    >>> y, acts, steps = hx.capture(decode, while_steps=8)(cell, jnp.ones((1, 3)), 5)
+    >>> acts[""][0].shape, int(steps[""][0])  # 8 rows, 5 of them ran
+    ((8, 1, 3), 5)
+    >>> bool(jnp.isnan(acts[""][0][5:]).all())
+    True
     """
     if not callable(fn):
         raise HookaxError(
@@ -234,11 +320,15 @@ def capture(
             "hx.capture(lambda x: model(x))(x)."
         )
     where, patterns = where_and_ops(where, ops, "hx.capture")  # malformed ones raise here
+    bound = validate_while_steps(while_steps, "hx.capture")
 
-    def forward(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, tuple[Any, ...]]]:
-        s = session("hx.capture", where, fn, args, kwargs, ops=patterns)
+    def forward(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        s = session("hx.capture", where, fn, args, kwargs, ops=patterns, while_steps=bound)
         y = s.run(fn, *args, **kwargs)
-        return y, collect(s.session)
+        if bound is None:
+            return y, collect(s.session)
+        check_steps(s.session)
+        return y, collect(s.session), collect_steps(s.session)
 
     # Only a function lends its name: a module's attributes (or a __wrapped__ pointing at it)
     # on the returned function would make Equinox's filtered transforms treat it as a pytree.
