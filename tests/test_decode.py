@@ -262,3 +262,25 @@ def test_gradients_through_a_while_loop_still_raise_clearly():
 def test_while_steps_must_be_a_positive_int(bad):
     with pytest.raises(hx.HookaxError, match="while_steps"):
         hx.capture(sample, while_steps=bad)
+
+
+def test_harvest_stores_every_step_of_a_while_loop(tmp_path):
+    model = Decoder()
+    prompts = [PROMPT, PROMPT[::-1]]
+    h = hx.harvest(
+        lambda tok, n: sample(model, tok, n),
+        [(p, jnp.int32(5)) for p in prompts],
+        where="head",
+        while_steps=6,
+        store=tmp_path / "acts",
+    )
+    assert h.rows == 6
+    for t in range(6):
+        got = h.read(f"head[{t}]")
+        assert got.shape == (6, VOCAB)
+        for b, p in enumerate(prompts):
+            rows = got[3 * b : 3 * b + 3]
+            if t < 5:
+                np.testing.assert_allclose(rows, by_hand(model, p, 5)[0]["head"][t], rtol=1e-6)
+            else:
+                assert np.isnan(rows).all()  # the loop ran 5 iterations

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from .._capture.capture import _DEFAULT, where_and_ops
+from .._capture.capture import _DEFAULT, validate_while_steps, where_and_ops
 from .._util.errors import HookaxError
 
 __all__ = ["Harvest", "harvest"]
@@ -118,6 +118,7 @@ def harvest(
     dtype: Any = None,
     mask: Callable[..., Any] | None = None,
     row_axes: int = 1,
+    while_steps: int | None = None,
     overwrite: bool = False,
     metadata: Any = None,
     progress: bool | None = None,
@@ -132,7 +133,11 @@ def harvest(
     call-site key, with one *row* per entry of its leading ``row_axes`` axes: a ``(batch, seq,
     d)`` output with ``row_axes=2`` gives ``batch * seq`` rows of ``d`` values. A call site
     inside ``nnx.scan``/``lax.scan`` over layers, whose captured value is stacked ``(layers,
-    batch, ...)``, gives one array per layer, ``key[i]``, with the same rows. Rows of later
+    batch, ...)``, gives one array per layer, ``key[i]``, with the same rows. With
+    ``while_steps=N``, a call site inside a ``lax.while_loop`` (a decode loop) gives one array per
+    iteration, ``key[t]`` for ``t < N``, stacked as :func:`hookax.capture` stacks it; rows of
+    iterations the loop did not reach hold NaN, and iterations from ``N`` on are dropped (the
+    step runs under jit, where the count is not known in time to raise). Rows of later
     batches are appended after earlier ones; ``_source`` records each row's batch and position.
 
     Writing overlaps computing: the host copy of a batch starts as soon as its step is
@@ -160,6 +165,8 @@ def harvest(
       mask: ``mask(*batch) -> bool array`` of the row axes' shape: rows where it is False
         (padding) are not stored. Computed inside the jitted step.
       row_axes: how many leading axes of each output are rows (``mask``'s number of axes).
+      while_steps: keep every iteration of each ``lax.while_loop``, up to this many (as
+        :func:`hookax.capture`); default the last iteration only.
       overwrite: replace the hookax store at ``store``. Only a hookax store holding nothing but
         what hookax wrote, or an empty folder, is replaced; any other folder (and ``.``, the
         home folder and the folders above them, whatever they hold) raises with every file
@@ -210,7 +217,8 @@ def harvest(
     if first is None:
         raise HookaxError("hx.harvest: batches is empty: there is nothing to harvest.")
     where, patterns = where_and_ops(where, ops, "hx.harvest")
-    step = Step.cached(fn, where, patterns, dtype, mask, row_axes, as_args(first))
+    bound = validate_while_steps(while_steps, "hx.harvest")
+    step = Step.cached(fn, where, patterns, dtype, mask, row_axes, as_args(first), bound)
     early = None
     if overwrite or not (path / META).exists():  # a new store: batch 0 computes meanwhile
         early = step(*as_args(first))
@@ -226,7 +234,9 @@ def harvest(
     desc = describe(
         leaves,
         model=_describe_fn(fn),
-        where=_describe_where(where) + (f" ops={[p.text for p in patterns]!r}" if patterns else ""),
+        where=_describe_where(where)
+        + (f" ops={[p.text for p in patterns]!r}" if patterns else "")
+        + (f" while_steps={bound}" if bound is not None else ""),
         row_axes=row_axes,
         masked=mask is not None,
         user=metadata,
