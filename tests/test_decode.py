@@ -284,3 +284,104 @@ def test_harvest_stores_every_step_of_a_while_loop(tmp_path):
                 np.testing.assert_allclose(rows, by_hand(model, p, 5)[0]["head"][t], rtol=1e-6)
             else:
                 assert np.isnan(rows).all()  # the loop ran 5 iterations
+
+
+# ---- a Python decode loop over a jitted step (capture around an already-jitted function) ----
+
+
+def _step(traces):
+    def step(model, tok, cache, pos):
+        traces()
+        return model(tok, cache, pos)
+
+    return step
+
+
+@pytest.mark.parametrize("kind", ["jax.jit", "nnx.jit"])
+def test_a_python_decode_loop_over_a_jitted_step_traces_once(kind, traces):
+    """A new ``hx.capture`` on every token, as a decode loop is written: one trace in all, and
+    each step's values equal the same step run by hand."""
+    model = Decoder()
+    jitted = {"jax.jit": jax.jit, "nnx.jit": nnx.jit}[kind](_step(traces))
+    want, _ = by_hand(model, PROMPT, 5)
+    tok, cache = PROMPT, init_cache(3)
+    for pos in range(5):
+        (logits, cache), acts = hx.capture(jitted, where=WHERE)(model, tok, cache, jnp.int32(pos))
+        assert set(acts) == set(want)
+        for key, value in want.items():
+            for g, w in zip(jax.tree.leaves(acts[key][0]), jax.tree.leaves(value)):
+                np.testing.assert_allclose(g, w[pos], rtol=1e-6, atol=1e-6)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    assert traces.n == 1
+
+
+def test_the_cached_capture_follows_the_context_and_where(traces):
+    model = Decoder()
+    jitted = jax.jit(_step(traces))
+    args = (model, PROMPT, init_cache(3), jnp.int32(0))
+    (logits, _), acts = hx.capture(jitted, where="head")(*args)
+    assert traces.n == 1
+    np.testing.assert_allclose(acts["head"][0], logits, rtol=1e-6)
+    with hx.intercept(lambda nf, a, k, c: nf(*a, **k) * 2, where="head"):
+        for _ in range(3):
+            (edited, _), acts2 = hx.capture(jitted, where="head")(*args)
+    assert traces.n == 2  # a new context: traced once, then cached
+    np.testing.assert_allclose(edited, logits * 2, rtol=1e-6)
+    np.testing.assert_allclose(acts2["head"][0], logits * 2, rtol=1e-6)  # what the caller got
+    _, acts3 = hx.capture(jitted, where="blocks/0/mlp")(*args)
+    assert traces.n == 3 and set(acts3) == {"blocks/0/mlp"}
+    (again, _), _ = hx.capture(jitted, where="head")(*args)
+    assert traces.n == 3
+    np.testing.assert_allclose(again, logits, rtol=1e-6)
+    with pytest.raises(hx.SelectorError, match="blocks/9"):  # a where= that matches nothing
+        hx.capture(jitted, where="blocks/9/mlp")(*args)
+
+
+def test_capture_around_jit_keeps_static_arguments_state_updates_and_static_outputs():
+    class Counted(nnx.Module):
+        def __init__(self) -> None:
+            self.lin = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+            self.calls = nnx.Variable(jnp.int32(0))
+
+        def __call__(self, x, scale):
+            self.calls[...] += 1
+            return self.lin(x) * scale, "tag"
+
+    m = Counted()
+    x = jnp.ones((1, 2))
+    step = nnx.jit(lambda m, x, scale: m(x, scale)[0], static_argnums=2)
+    for _ in range(3):
+        y, acts = hx.capture(step)(m, x, 3.0)
+    assert int(m.calls[...]) == 3  # nnx.jit's state updates reach the caller
+    want = (m.lin(x) * 3.0, "tag")
+    np.testing.assert_allclose(y, want[0], rtol=1e-6)
+    np.testing.assert_allclose(acts[""][0][0], want[0], rtol=1e-6)
+    assert acts[""][0][1] == "tag"
+    plain = jax.jit(lambda x, scale: m.lin(x) * scale, static_argnames="scale")
+    y2, acts2 = hx.capture(plain)(x, scale=2.0)
+    np.testing.assert_allclose(y2, m.lin(x) * 2.0, rtol=1e-6)
+    np.testing.assert_allclose(acts2[""][0], m.lin(x), rtol=1e-6)
+
+
+def test_capture_around_equinox_filter_jit_traces_once(traces):
+    eqx = pytest.importorskip("equinox")
+    mlp = eqx.nn.MLP(3, 2, 4, 2, key=jax.random.key(0))
+
+    @eqx.filter_jit
+    def step(mlp, x):
+        traces()
+        return mlp(x)
+
+    for i in range(5):
+        x = jnp.full((3,), float(i))
+        y, acts = hx.capture(step, where="layers/1")(mlp, x)
+        h = jax.nn.relu(mlp.layers[0](x))
+        np.testing.assert_allclose(acts["layers/1"][0], mlp.layers[1](h), rtol=1e-6)
+        np.testing.assert_allclose(y, mlp(x), rtol=1e-6)
+    assert traces.n == 1
+
+
+def test_capture_around_jit_checks_while_steps():
+    model = Decoder()
+    with pytest.raises(hx.HookaxError, match="ran 5 iterations; only the first 3"):
+        hx.capture(jax.jit(sample), where="head", while_steps=3)(model, PROMPT, jnp.int32(5))

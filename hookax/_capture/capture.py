@@ -31,6 +31,7 @@ from .._hooks import intercept as _intercept
 from .._transforms import tagrules as _tagrules
 from .._transforms import tags as _tags
 from .._util.errors import HookaxError
+from . import jitted as _jitted
 from . import ops as _ops
 
 __all__ = ["capture", "session"]
@@ -123,22 +124,21 @@ class _Session:
         return out
 
 
-def check_steps(session: _tags.Session) -> None:
+def check_steps(who: str, bound: int, steps: dict[str, tuple[Any, ...]]) -> None:
     """Raise when a ``while`` loop ran more iterations than ``while_steps`` keeps, where the
     counts are known (eagerly, or around a jitted function); under jit they are not, and the
     rows past the bound are dropped."""
-    n = session.while_steps
-    for r in session.records:
-        for count in r.counts:
-            if isinstance(count, jax.core.Tracer):
+    for key, counts in steps.items():
+        for count in counts:
+            if isinstance(count, jax.core.Tracer) or not np.size(count):
                 continue
-            ran = int(np.max(count)) if np.size(count) else 0
-            if n is not None and ran > n:
+            ran = int(np.max(count))
+            if ran > bound:
                 raise HookaxError(
-                    f"{session.who}(while_steps={n}): the jax.lax.while_loop holding "
-                    f"{r.spec.what(r.key)} ran {ran} iterations; only the first {n} were kept. "
-                    f"Fix: {session.who}(..., while_steps={ran}) or more (the loop's largest "
-                    f"number of iterations)."
+                    f"{who}(while_steps={bound}): the jax.lax.while_loop holding {key!r} ran "
+                    f"{ran} iterations; only the first {bound} were kept. Fix: "
+                    f"{who}(..., while_steps={ran}) or more (the loop's largest number of "
+                    f"iterations)."
                 )
 
 
@@ -322,19 +322,42 @@ def capture(
     where, patterns = where_and_ops(where, ops, "hx.capture")  # malformed ones raise here
     bound = validate_while_steps(while_steps, "hx.capture")
 
+    def run(f: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+        s = session("hx.capture", where, f, args, kwargs, ops=patterns, while_steps=bound)
+        y = s.run(f, *args, **kwargs)
+        return y, collect(s.session), None if bound is None else collect_steps(s.session)
+
+    kind = _jitted.jit_kind(fn)
+    if kind is not None and _by_value(where):  # compiled once as a whole, kept per fn
+        key = (where if where is _NO_SITES else as_selector(where, CALL_ONLY), patterns, bound)
+        run = _jitted.jitted_capture(fn, kind, key, run)
+    else:
+        run = functools.partial(_call, run, fn)
+
     def forward(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
-        s = session("hx.capture", where, fn, args, kwargs, ops=patterns, while_steps=bound)
-        y = s.run(fn, *args, **kwargs)
+        y, acts, steps = run(*args, **kwargs)
         if bound is None:
-            return y, collect(s.session)
-        check_steps(s.session)
-        return y, collect(s.session), collect_steps(s.session)
+            return y, acts
+        check_steps("hx.capture", bound, steps)
+        return y, acts, steps
 
     # Only a function lends its name: a module's attributes (or a __wrapped__ pointing at it)
     # on the returned function would make Equinox's filtered transforms treat it as a pytree.
     if isinstance(fn, types.FunctionType | types.MethodType):
         functools.update_wrapper(forward, fn)
     return forward
+
+
+def _call(run: Callable[..., Any], fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return run(fn, args, kwargs)
+
+
+def _by_value(where: Any) -> bool:
+    """Whether ``where=`` selects the same call sites whatever the arguments (a module
+    instance is found among them on each call)."""
+    if where is None or where is _NO_SITES or isinstance(where, str | type | Select):
+        return True
+    return isinstance(where, tuple | list) and all(isinstance(w, type) for w in where)
 
 
 def roots(fn: Any) -> Iterator[Any]:
