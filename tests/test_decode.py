@@ -385,3 +385,12 @@ def test_capture_around_jit_checks_while_steps():
     model = Decoder()
     with pytest.raises(hx.HookaxError, match="ran 5 iterations; only the first 3"):
         hx.capture(jax.jit(sample), where="head", while_steps=3)(model, PROMPT, jnp.int32(5))
+
+
+@pytest.mark.parametrize("kind", ["jax.jit", "nnx.jit"])
+def test_capture_around_jit_keeps_the_order_of_first_calls(kind):
+    model = Decoder()
+    jitted = {"jax.jit": jax.jit, "nnx.jit": nnx.jit}[kind](sample)
+    _, acts, steps = hx.capture(jitted, where=WHERE, while_steps=3)(model, PROMPT, jnp.int32(2))
+    order = ["blocks/0/attn", "blocks/0/mlp", "blocks/1/attn", "blocks/1/mlp", "head"]
+    assert list(acts) == order and list(steps) == order

@@ -269,6 +269,13 @@ def capture(
     returns (eagerly, or around a jitted function); inside a jitted function it is not, and the
     iterations from ``N`` on are dropped.
 
+    Around a function already jitted (``jax.jit``, ``nnx.jit``, ``eqx.filter_jit``: a decode
+    loop calling ``hx.capture(step)(...)`` per token) the capture is compiled once as a whole,
+    jitted the way ``step`` is (its static and donated arguments kept), and kept per ``(step,
+    where=, ops=, while_steps=)``: a capture made anew on every call retraces nothing and costs
+    what ``jax.jit(hx.capture(step))`` costs. JAX's own cache decides when to retrace (argument
+    structure, shapes, dtypes, shardings, static arguments, the active hookax entries).
+
     ``ops=`` adds the values of operations inside call sites (:func:`hx.ops` lists their
     addresses): ``acts["layers/0/attn:softmax"]`` is a tuple, one value per call of its call
     site, carried through the same transforms (an operation inside a ``vmap`` written in the

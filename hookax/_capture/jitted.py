@@ -71,6 +71,36 @@ def _is_array(x: Any) -> bool:
 jax.tree_util.register_pytree_node(Packed, _flatten, _unflatten)
 
 
+class Ordered:
+    """A dict that keeps its key order through a jitted function's outputs (JAX sorts a
+    dict's keys): ``acts`` lists call sites in the order their first call started."""
+
+    __slots__ = ("items",)
+
+    def __init__(self, items: dict[str, Any]) -> None:
+        self.items = items
+
+
+jax.tree_util.register_pytree_node(
+    Ordered,
+    lambda o: (list(o.items.values()), tuple(o.items)),
+    lambda keys, values: Ordered(dict(zip(keys, values))),
+)
+
+
+def _pack(tree: dict[str, Any] | None, kind: str) -> Any:
+    if tree is None:
+        return None
+    # eqx.filter_jit returns non-array leaves itself
+    return Ordered(tree) if kind == "equinox" else Packed(Ordered(tree))
+
+
+def _unpack(packed: Any) -> dict[str, Any] | None:
+    if isinstance(packed, Packed):
+        packed = packed.tree
+    return None if packed is None else packed.items
+
+
 def _jit_like(fn: Any, kind: str, inner: Callable[..., Any]) -> Callable[..., Any]:
     """``inner`` jitted the way ``fn`` is, with its static and donated arguments."""
     if kind == "jax":
@@ -142,18 +172,17 @@ def _held(fn: Any, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def _make(
     fn: Any, kind: str, get: Callable[[], Any], run: Callable[[Any, tuple, dict], Any]
 ) -> Callable[..., tuple[Any, Any, Any]]:
-    def inner(*args: Any, **kwargs: Any) -> tuple[Any, Packed, Any]:
+    def inner(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
         f = get()
         if f is None:  # pragma: no cover - the capture holding this holds fn
             raise HookaxError("hx.capture: the jitted function was garbage-collected.")
         y, acts, steps = run(f, args, kwargs)
-        # eqx.filter_jit returns non-array leaves itself
-        return y, acts if kind == "equinox" else Packed(acts), steps
+        return y, _pack(acts, kind), _pack(steps, kind)
 
     jitted = _jit_like(fn, kind, inner)
 
     def call(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
         y, acts, steps = jitted(*args, **kwargs)
-        return y, acts.tree if isinstance(acts, Packed) else acts, steps
+        return y, _unpack(acts), _unpack(steps)
 
     return call
