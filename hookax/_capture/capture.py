@@ -326,6 +326,12 @@ def capture(
             f"type {type(fn).__name__}. Fix: hx.capture(model)(x), or "
             "hx.capture(lambda x: model(x))(x)."
         )
+    kind = _jitted.jit_kind(fn)
+    raw = ("raw", where, ops, while_steps, type(while_steps))
+    if kind is not None:  # a capture made anew per step: found without parsing its arguments
+        hit = _jitted.lookup(fn, raw)
+        if hit is not None:
+            return _forward(fn, hit, while_steps)
     where, patterns = where_and_ops(where, ops, "hx.capture")  # malformed ones raise here
     bound = validate_while_steps(while_steps, "hx.capture")
 
@@ -334,12 +340,19 @@ def capture(
         y = s.run(f, *args, **kwargs)
         return y, collect(s.session), None if bound is None else collect_steps(s.session)
 
-    kind = _jitted.jit_kind(fn)
     if kind is not None and _by_value(where):  # compiled once as a whole, kept per fn
         key = (where if where is _NO_SITES else as_selector(where, CALL_ONLY), patterns, bound)
-        run = _jitted.jitted_capture(fn, kind, key, run)
-    else:
-        run = functools.partial(_call, run, fn)
+        return _forward(fn, _jitted.jitted_capture(fn, kind, key, run, raw), bound)
+    forward = _forward(fn, functools.partial(_call, run, fn), bound)
+    # Only a function lends its name: a module's attributes (or a __wrapped__ pointing at it)
+    # on the returned function would make Equinox's filtered transforms treat it as a pytree.
+    if isinstance(fn, types.FunctionType | types.MethodType):
+        functools.update_wrapper(forward, fn)
+    return forward
+
+
+def _forward(fn: Any, run: Callable[..., Any], bound: int | None) -> Callable[..., Any]:
+    """The function ``hx.capture`` returns: ``run(*args) -> (y, acts, steps)``, checked."""
 
     def forward(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
         y, acts, steps = run(*args, **kwargs)
@@ -348,10 +361,7 @@ def capture(
         check_steps("hx.capture", bound, steps)
         return y, acts, steps
 
-    # Only a function lends its name: a module's attributes (or a __wrapped__ pointing at it)
-    # on the returned function would make Equinox's filtered transforms treat it as a pytree.
-    if isinstance(fn, types.FunctionType | types.MethodType):
-        functools.update_wrapper(forward, fn)
+    forward._hookax_fn = fn  # type: ignore[attr-defined]  # the cache of jitted captures holds fn weakly
     return forward
 
 

@@ -13,6 +13,7 @@ on every step hits them too.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Callable
@@ -23,7 +24,7 @@ import numpy as np
 
 from .._util.errors import HookaxError
 
-__all__ = ["jit_kind", "jitted_capture"]
+__all__ = ["jit_kind", "jitted_capture", "lookup"]
 
 
 def jit_kind(fn: Any) -> str | None:
@@ -91,8 +92,11 @@ jax.tree_util.register_pytree_node(
 def _pack(tree: dict[str, Any] | None, kind: str) -> Any:
     if tree is None:
         return None
+    ordered = Ordered(tree)
     # eqx.filter_jit returns non-array leaves itself
-    return Ordered(tree) if kind == "equinox" else Packed(Ordered(tree))
+    if kind == "equinox" or all(_is_array(x) for x in jax.tree.leaves(ordered)):
+        return ordered
+    return Packed(ordered)
 
 
 def _unpack(packed: Any) -> dict[str, Any] | None:
@@ -144,11 +148,28 @@ def _drop(i: int, ref: Any) -> None:
         del _CACHE[i]
 
 
+def lookup(fn: Any, raw: Any) -> Callable[..., tuple[Any, Any, Any]] | None:
+    """The jitted capture kept for ``fn`` under ``raw`` (the arguments ``hx.capture`` was given,
+    so a capture made anew on every step skips parsing them), or None."""
+    entry = _CACHE.get(id(fn))
+    if entry is None or entry[0]() is not fn:
+        return None
+    try:
+        return entry[1].get(raw)
+    except TypeError:  # an unhashable argument
+        return None
+
+
 def jitted_capture(
-    fn: Any, kind: str, key: Any, run: Callable[[Any, tuple, dict], tuple[Any, Any, Any]]
+    fn: Any,
+    kind: str,
+    key: Any,
+    run: Callable[[Any, tuple, dict], tuple[Any, Any, Any]],
+    raw: Any = None,
 ) -> Callable[..., tuple[Any, Any, Any]]:
     """``run(fn, args, kwargs) -> (y, acts, steps)`` jitted like ``fn``, returning ``(y, acts,
-    steps)``; the same object for the same ``fn`` and hashable ``key`` while ``fn`` lives."""
+    steps)``; the same object for the same ``fn`` and hashable ``key`` while ``fn`` lives (also
+    found by :func:`lookup` under ``raw``). It holds ``fn`` weakly: the caller must hold it."""
     i = id(fn)
     try:
         hash(key)
@@ -161,12 +182,11 @@ def jitted_capture(
         _CACHE[i] = entry
     per = entry[1]
     if key not in per:
-        per[key] = _make(fn, kind, entry[0], run)  # holds fn weakly: the cache cannot keep it
-    return functools.partial(_held, fn, per[key])  # the capture holds fn
-
-
-def _held(fn: Any, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return call(*args, **kwargs)
+        per[key] = _make(fn, kind, entry[0], run)
+    if raw is not None:
+        with contextlib.suppress(TypeError):  # an unhashable argument: found by key only
+            per[raw] = per[key]
+    return per[key]
 
 
 def _make(
