@@ -394,3 +394,27 @@ def test_capture_around_jit_keeps_the_order_of_first_calls(kind):
     _, acts, steps = hx.capture(jitted, where=WHERE, while_steps=3)(model, PROMPT, jnp.int32(2))
     order = ["blocks/0/attn", "blocks/0/mlp", "blocks/1/attn", "blocks/1/mlp", "head"]
     assert list(acts) == order and list(steps) == order
+
+
+def test_a_decode_with_static_bounds_gives_every_steps_value_and_gradient():
+    """``fori_loop`` with static bounds is a scan: capture and activation gradients stack every
+    step without ``while_steps``; d sum(logits**2) / d logits = 2 * logits at each step."""
+    model = Decoder()
+
+    def decode(model, tok):
+        def body(pos, c):
+            tok, cache, total = c
+            logits, cache = model(tok, cache, pos)
+            return _greedy_tok(logits), cache, total + (logits**2).sum()
+
+        return jax.lax.fori_loop(0, 4, body, (tok, init_cache(3), jnp.float32(0)))[2]
+
+    _, acts = hx.capture(decode, where="head")(model, PROMPT)
+    want, _ = by_hand(model, PROMPT, 4)
+    np.testing.assert_allclose(acts["head"][0], want["head"], rtol=1e-6, atol=1e-6)
+    _, _, act_grads = jax.jit(hx.value_and_grad(decode, where="head"))(model, PROMPT)
+    np.testing.assert_allclose(act_grads["head"][0], 2 * want["head"], rtol=1e-5, atol=1e-5)
+
+
+def _greedy_tok(logits):
+    return jnp.argmax(logits, -1).astype(jnp.int32)
