@@ -7,6 +7,12 @@ The public API is the names in ``__all__``; everything else lives in private mod
 True
 """
 
+# First, before JAX loads: in the `hookax` command, Ctrl-C is one line and exit 130, never a crash
+from ._cli import interrupt as _interrupt
+
+if _interrupt.running_as_command():
+    _interrupt.install()
+
 from importlib import metadata as _metadata
 
 from ._capture.actgrad import value_and_grad as value_and_grad
@@ -20,6 +26,8 @@ from ._diagnostics.gradflow import GradFlow as GradFlow
 from ._diagnostics.gradflow import grad_flow as grad_flow
 from ._diagnostics.gradflow import layer_grad_norms as layer_grad_norms
 from ._diagnostics.gradflow import plot_grad_flow as plot_grad_flow
+from ._diagnostics.values import Values as Values
+from ._diagnostics.values import show as show
 from ._engine.adapters import StaleTraceWarning as StaleTraceWarning
 from ._engine.adapters import ensure_installed as _ensure_installed
 from ._engine.adapters import key_linen_interceptors as key_linen_interceptors
@@ -34,6 +42,7 @@ from ._harvest.splice import Splice as Splice
 from ._harvest.splice import splice_eval as splice_eval
 from ._harvest.tokens import token_batches as token_batches
 from ._hooks import hookrun as _hookrun  # noqa: F401 (fills the dispatcher's hooks slot)
+from ._hooks import layergate as _layergate  # noqa: F401 (one layer of a scan: the gate)
 from ._hooks.grad import hook_grad as hook_grad
 from ._hooks.hooks import HookHandle as HookHandle
 from ._hooks.hooks import hooks as hooks
@@ -53,6 +62,7 @@ from ._transforms.optrace import OpContext as OpContext
 from ._util.errors import HookaxError as HookaxError
 from ._util.errors import HookError as HookError
 from ._util.errors import SelectorError as SelectorError
+from ._util.errors import StoreError as StoreError
 
 try:
     __version__ = _metadata.version("hookax")
@@ -76,10 +86,12 @@ __all__ = [
     "SelectorError",
     "Splice",
     "StaleTraceWarning",
+    "StoreError",
     "StoreReader",
     "Summary",
     "SummaryRow",
     "SummaryTotals",
+    "Values",
     "capture",
     "grad_flow",
     "harvest",
@@ -98,6 +110,7 @@ __all__ = [
     "register_full_backward_hook",
     "register_full_backward_pre_hook",
     "remove_hooks",
+    "show",
     "splice_eval",
     "summary",
     "token_batches",

@@ -87,12 +87,15 @@ def _discover(
     def probe(*a: Any, **k: Any) -> Any:
         s = _capture.session(WHO, where, fn, a, k, ops=ops)
         s.run(fn, *a, **k)
-        found[:] = [(r.key, r.spec) for r in s.session.records]
+        layered = s.session.layered
+        found[:] = [(r.key, r.spec, (r.axes, layered)) for r in s.session.records]
         order[:] = list(_capture.collect(s.session))
         return [r.values for r in s.session.records]
 
     shapes = eval_shape(probe, mode, args, kwargs)
-    return [(key, spec, avals) for (key, spec), avals in zip(found, shapes)], order
+    return [
+        (key, spec, avals, how) for (key, spec, how), avals in zip(found, shapes, strict=True)
+    ], order
 
 
 def eval_shape(probe: Callable[..., Any], mode: Any, args: tuple, kwargs: dict) -> Any:
@@ -122,7 +125,7 @@ def _zeros(records: list[Any]) -> list[list[Any]]:
             jnp.zeros(a.shape, a.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else None
             for a in avals
         ]
-        for _, _, avals in records
+        for _, _, avals, _ in records
     ]
 
 
@@ -268,6 +271,8 @@ def _differentiate(
 def _act_grads(records: list[Any], order: list[str], g: Any) -> dict[str, tuple[Any, ...]]:
     """The perturbations' gradients by call-site key, one entry per call, in call order."""
     act_grads: dict[str, list[Any]] = {k: [] for k in order}
-    for (key, spec, _), leaves in zip(records, g):
-        act_grads.setdefault(key, []).append(_tags.unwrap(spec.rebuild(list(leaves))))
+    for (key, spec, _, (axes, layered)), leaves in zip(records, g):
+        tree = _tags.unwrap(spec.rebuild(list(leaves)))
+        for k, v in _capture.layer_split(key, tree, axes, layered):
+            act_grads.setdefault(k, []).append(v)
     return {k: tuple(v) for k, v in act_grads.items()}

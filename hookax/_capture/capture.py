@@ -28,6 +28,7 @@ from .._engine.select import (
     resolve_instances,
 )
 from .._hooks import intercept as _intercept
+from .._hooks import layergate as _layergate
 from .._transforms import tagrules as _tagrules
 from .._transforms import tags as _tags
 from .._util.errors import HookaxError
@@ -57,11 +58,19 @@ class _Marker:
             live.seen.add((ctx.key, ctx.path_str))
         if not self.selector.matches(ctx):
             return next_fun(*args, **kwargs)
+        key = ctx.key
+        if self.selector.has_layers():
+            layers = self.selector.layers(ctx)
+            if layers is not None:
+                _layergate.check_in_scan(ctx._frame, layers)
+                key = f"{ctx.key}[{','.join(map(str, sorted(layers)))}]"
+                if live is not None:
+                    live.layered[key] = (ctx.key, tuple(sorted(layers)), "")
         if live is not None:
             live.matched = True
-            live.starts.setdefault(ctx.key)
+            live.starts.setdefault(key)
             _check_collision(live, ctx)
-        return _tags.mark(next_fun(*args, **kwargs), self.sid, ctx.key)
+        return _tags.mark(next_fun(*args, **kwargs), self.sid, key)
 
 
 _EVERY_CALL_SITE = as_selector(None, ALL_METHODS)
@@ -217,19 +226,78 @@ _DEFAULT: Any = _Default()
 
 def collect(session: _tags.Session) -> dict[str, tuple[Any, ...]]:
     """``{key: (output, ...)}`` in call order, keys in the order their first call started."""
-    acts: dict[str, list[Any]] = {k: [] for k in session.starts}
+    acts: dict[str, list[Any]] = {}
+    for k in session.starts:
+        for kk in layer_keys(k, session.layered):
+            acts[kk] = []
     for r in session.records:
-        acts.setdefault(r.key, []).append(r.output())
+        for k, out in layer_split(r.key, r.output(), r.axes, session.layered):
+            acts.setdefault(k, []).append(out)
     return {k: tuple(v) for k, v in acts.items() if v}
+
+
+def layer_keys(key: str, layered: dict[str, tuple[str, tuple[int, ...], str]]) -> list[str]:
+    """The keys a record key stands for: ``"blocks/mlp[1,3]"`` -> ``blocks/mlp[1]``, ``[3]``."""
+    if key not in layered:
+        return [key]
+    site, layers, tail = layered[key]
+    return [f"{site}[{i}]{tail}" for i in layers]
+
+
+def layer_split(
+    key: str, tree: Any, axes: Any, layered: dict[str, tuple[str, tuple[int, ...], str]]
+) -> list[tuple[str, Any]]:
+    """A record of a one-layer selection, stacked over its scan, as one value per layer.
+
+    The layer axis is that of the innermost scan the value left (``axes`` lists the transforms
+    innermost first; each but ``cond`` and an unbounded ``while`` added a leading axis).
+    """
+    if key not in layered:
+        return [(key, tree)]
+    site, layers, tail = layered[key]
+    kinds = [kind for kind, _ in axes]
+    if "scan" not in kinds:
+        raise HookaxError(
+            f"call site {site!r} was selected by layer ({key!r}) but its value did not leave a "
+            f"scan (it left {kinds or 'no transform'}); only a lax.scan over layers has layers. "
+            f"Fix: select {site!r} without the layer suffix."
+        )
+    inner = kinds.index("scan")
+    length = axes[inner][1]
+    if any(i >= length for i in layers):
+        raise HookaxError(
+            f"{key!r} selects layer {max(layers)}, but the scan that runs call site {site!r} has "
+            f"{length} layers (0 to {length - 1}). Fix: pick an index below {length}."
+        )
+    axis = sum(
+        1
+        for kind, n in axes[inner + 1 :]
+        if not (kind == "cond" or (kind == "while" and n is None))
+    )
+
+    def layer(i: int) -> Any:
+        return jax.tree.map(lambda x: jax.lax.index_in_dim(x, i, axis, False), tree)
+
+    return [(f"{site}[{i}]{tail}", layer(i)) for i in layers]
 
 
 def collect_steps(session: _tags.Session) -> dict[str, tuple[Any, ...]]:
     """``{key: (count, ...)}``: for each call of a call site inside a bounded ``while`` loop, the
-    iteration count of the innermost one, in the order of :func:`collect`."""
+    iteration count of the innermost one, in the order of :func:`collect` (a one-layer
+    selection's count split by layer where a scan over layers stacked it)."""
     steps: dict[str, list[Any]] = {}
     for r in session.records:
-        if r.n_counts:
-            steps.setdefault(r.key, []).append(r.counts[0])
+        if not r.n_counts:
+            continue
+        count = r.counts[0]
+        j = next(i for i, (kind, n) in enumerate(r.axes) if kind == "while" and n is not None)
+        outer = r.axes[j + 1 :]  # the transforms the count left after its loop
+        if r.key in session.layered and any(kind == "scan" for kind, _ in outer):
+            pairs = layer_split(r.key, count, outer, session.layered)
+        else:
+            pairs = [(k, count) for k in layer_keys(r.key, session.layered)]
+        for k, c in pairs:
+            steps.setdefault(k, []).append(c)
     return {k: tuple(v) for k, v in steps.items()}
 
 

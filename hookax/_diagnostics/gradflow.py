@@ -83,6 +83,55 @@ class GradFlow:
     outputs: dict[str, float]
     params: dict[str, tuple[float, float]]
 
+    def grid(self) -> Any:
+        """The table (a :class:`hookax._util.display.Grid`): one row per layer, the values
+        to 4 significant digits."""
+        from .._util.display import Grid
+
+        rows = []
+        for key in [*self.outputs, *(k for k in self.params if k not in self.outputs)]:
+            out = self.outputs.get(key)
+            mean, top = self.params.get(key, (None, None))
+            rows.append((key or "(model)", *(_g(v) for v in (out, mean, top))))
+        title = f"Gradient flow: {len(self.outputs)} call sites, {len(self.params)} with parameters"
+        heads = ("Layer", "‖∂loss/∂output‖₂", "mean |∂loss/∂params|", "max |∂loss/∂params|")
+        return Grid(title, heads, rows, numeric=frozenset({1, 2, 3}), styles={0: "cyan"})
+
+    def __str__(self) -> str:
+        """The table as text at the terminal's width (natural when piped or in a notebook)."""
+        from .._util.display import terminal_width
+
+        return self.grid().text(terminal_width())
+
+    def __repr__(self) -> str:
+        norms = [v for v in self.outputs.values() if math.isfinite(v)]
+        span = f"; ‖∂loss/∂output‖₂ {_g(min(norms))} to {_g(max(norms))}" if norms else ""
+        return (
+            f"<hx.GradFlow: {len(self.outputs)} call sites, {len(self.params)} with "
+            f"parameters{span}>"
+        )
+
+    def __rich__(self) -> Any:
+        return self.grid()
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython's text
+        p.text(str(self))
+
+    def _repr_html_(self) -> str:  # a notebook: the figure (when matplotlib is there), the table
+        import importlib.util
+
+        table = self.grid().html()
+        if importlib.util.find_spec("matplotlib") is None or not (self.outputs or self.params):
+            return table
+        from .figure import png_html
+
+        return png_html(plot_grad_flow(self)) + "\n" + table
+
+
+def _g(v: float | None) -> str:
+    """A gradient statistic to 4 significant digits (``-`` when there is none)."""
+    return "-" if v is None else f"{v:.4g}"
+
 
 def layer_grad_norms(
     model: Any,
@@ -417,6 +466,9 @@ def check_writable(out: str) -> None:
 def plot_grad_flow(flow: GradFlow, out: str | None = None, title: str = "gradient flow") -> Any:
     """The figure of ``flow`` (matplotlib ``Figure``), written to ``out`` (PNG) when given.
 
+    A notebook shows the figure as an image (it is not one of pyplot's figures: nothing else
+    shows it, and it is freed with the last reference to it).
+
     Top panel: d loss / d (layer output) per call site; bottom panel (models with parameters):
     mean and max of |d loss / d params| per layer. Log axes span whole decades around every
     value; zero and non-finite values are marked at the bottom of the axis.
@@ -425,7 +477,8 @@ def plot_grad_flow(flow: GradFlow, out: str | None = None, title: str = "gradien
 
     require("matplotlib", "plot", "hx.plot_grad_flow (it draws a chart)")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+
+    from .figure import Figure
 
     panels: list[tuple[dict[str, list[float]], str]] = [
         ({"‖grad‖₂": list(flow.outputs.values())}, OUTPUT_LABEL)

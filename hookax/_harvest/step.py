@@ -85,21 +85,33 @@ def _outputs(
 ) -> list[tuple[str, Origin, Any]]:
     """``(name, origin, value)`` for every array leaf of every selected call's output, as
     :func:`hookax.capture` collects them, and how many scan axes lead each."""
-    from .._capture.capture import session
+    from .._capture.capture import layer_keys, layer_split, session
 
     s = session("hx.harvest", where, f, args, {}, ops=ops, while_steps=while_steps)
     s.run(f, *args)
-    calls: dict[str, list[Any]] = {k: [] for k in s.session.starts}
+    layered = s.session.layered
+    calls: dict[str, list[Any]] = {
+        k: [] for start in s.session.starts for k in layer_keys(start, layered)
+    }
     for r in s.session.records:
-        calls.setdefault(r.key, []).append(r)
+        # One layer of a scanned call site ("blocks/up[2]"): that layer's value, one scan less.
+        axes = _without_inner_scan(r.axes) if r.key in layered else r.axes
+        for key, value in layer_split(r.key, r.output(), r.axes, layered):
+            calls.setdefault(key, []).append((value, axes))
     out = []
     for key, records in calls.items():
-        for call, r in enumerate(records):
-            for path, leaf in jax.tree_util.tree_flatten_with_path(r.output())[0]:
+        for call, (value, axes) in enumerate(records):
+            for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
                 part = jax.tree_util.keystr(path)
                 name = key + (f"#{call}" if len(records) > 1 else "") + part
-                out.append((name, Origin(key, call, part, _scans(r.axes)), leaf))
+                out.append((name, Origin(key, call, part, _scans(axes)), leaf))
     return out
+
+
+def _without_inner_scan(axes: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    kinds = [kind for kind, _ in axes]
+    i = kinds.index("scan")
+    return axes[:i] + axes[i + 1 :]
 
 
 def row_shape(shapes: list[tuple[tuple[int, ...], int]], row_axes: int) -> tuple[int, ...]:

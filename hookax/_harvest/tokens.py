@@ -190,6 +190,9 @@ class TokenBatches:
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return iter(self.batches)
 
+    def __len__(self) -> int:  # the progress bar's total
+        return len(self.batches)
+
 
 class TokenModel:
     """``model(tokens)`` for batches ``(tokens, mask)``: a named callable (a store records what

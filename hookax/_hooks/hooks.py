@@ -56,6 +56,8 @@ class HookRecord:
     with_kwargs: bool = False
     always_call: bool = False
     prepend: bool = False
+    # The scan iterations it applies to (a where= like "blocks/mlp[3]"); None: every call.
+    layers: frozenset[int] | None = None
     # The registration's id (HookHandle.id); 0 for a scoped hook (hx.hooks).
     token: int = dataclasses.field(default=0, compare=False, repr=False)
     # The function's value-stable key (see _fnkey): a hook re-created with the same code over
@@ -68,7 +70,7 @@ class HookRecord:
     def __reduce__(self) -> tuple[Any, ...]:
         # The key (code objects) does not pickle: rebuild it. A copy gets a new token, so a
         # handle removes its hooks from the modules it was registered on only, as in PyTorch.
-        options = (self.methods, self.with_kwargs, self.always_call, self.prepend)
+        options = (self.methods, self.with_kwargs, self.always_call, self.prepend, self.layers)
         return (_restore, (self.kind, self.fn, *options))
 
 
@@ -79,9 +81,10 @@ def _restore(
     with_kwargs: bool,
     always_call: bool,
     prepend: bool,
+    layers: frozenset[int] | None = None,
 ) -> HookRecord:
     """A :class:`HookRecord` from a pickle or a deepcopy, with a token of its own."""
-    return HookRecord(kind, fn, methods, with_kwargs, always_call, prepend, next(_TOKENS))
+    return HookRecord(kind, fn, methods, with_kwargs, always_call, prepend, layers, next(_TOKENS))
 
 
 class HookSet:
@@ -232,21 +235,26 @@ def _method_names(module: Any) -> list[str]:
     ]
 
 
-def _targets(module: Any, where: Any, api: str, adapter: Any) -> list[tuple[Any, tuple[str, ...]]]:
-    """The (submodule, methods) pairs a registration applies to."""
+def _targets(
+    module: Any, where: Any, api: str, adapter: Any
+) -> list[tuple[Any, tuple[str, ...], frozenset[int] | None]]:
+    """The (submodule, methods, scan iterations or None) a registration applies to."""
     if where is None:
-        return [(module, CALL_ONLY)]
+        return [(module, CALL_ONLY, None)]
     sel = as_selector(where, CALL_ONLY)
     out = []
     for path, m in adapter.iter_modules(module):
         methods = []
+        layers: frozenset[int] | None = None
         for name in _method_names(m):
             frame = _context.Frame(m, name, None, adapter)
             frame._path = path
-            if sel.matches(_context.Context(frame, getattr(m, name))):
+            ctx = _context.Context(frame, getattr(m, name))
+            if sel.matches(ctx):
                 methods.append(name)
+                layers = sel.layers(ctx) if sel.has_layers() else None
         if methods:
-            out.append((m, tuple(methods)))
+            out.append((m, tuple(methods), layers))
     if not out:
         found = ", ".join(
             f"{_context.path_str(p)!r} ({type(m).__name__})"
@@ -260,9 +268,9 @@ def _targets(module: Any, where: Any, api: str, adapter: Any) -> list[tuple[Any,
     return out
 
 
-def _site(module: Any, targets: list[tuple[Any, tuple[str, ...]]], adapter: Any) -> str:
+def _site(module: Any, targets: list[Any], adapter: Any) -> str:
     """The first call site a registration applies to, for messages: ``'layers/0' (Linear...)``."""
-    m, methods = targets[0]
+    m, methods, _ = targets[0]
     path = next((p for p, sub in adapter.iter_modules(module) if sub is m), ())
     more = f" and {len(targets) - 1} more" if len(targets) > 1 else ""
     return f"{_context.path_str(path)!r} ({type(m).__name__}.{methods[0]}){more}"
@@ -282,10 +290,16 @@ def _register(module: Any, record: HookRecord, where: Any, api: str) -> HookHand
             record.fn, record.kind, record.with_kwargs, api, _site(module, targets, adapter)
         )
         token = next(_TOKENS)
-        for m, methods in targets:
-            rec = dataclasses.replace(record, methods=methods, token=token)
+        for m, methods, layers in targets:
+            if layers is not None and record.kind.startswith("backward"):
+                raise SelectorError(
+                    f"hx.{api}(where={where!r}): backward hooks of one layer of a scanned "
+                    f"stack are not supported. Fix: read the gradient of that layer with "
+                    f"hx.value_and_grad(loss_fn, where={where!r}), or hook every layer."
+                )
+            rec = dataclasses.replace(record, methods=methods, layers=layers, token=token)
             _store(m, (hook_set(m) or HookSet(())).add(rec))
-    return HookHandle(token, [m for m, _ in targets])
+    return HookHandle(token, [m for m, _, _ in targets])
 
 
 def register_forward_pre_hook(

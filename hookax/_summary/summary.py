@@ -141,8 +141,9 @@ class SummaryTotals:
 class Summary:
     """The result of :func:`summary`: ``rows`` in call order and ``totals``.
 
-    ``print(summary)`` renders a table (:meth:`to_markdown` a Markdown one); :meth:`to_json`
-    and :meth:`from_json` round-trip it. ``model``, ``method`` and ``inputs`` name the call.
+    ``print(summary)`` renders a table fitted to the terminal's width (a notebook shows it as
+    HTML; :meth:`to_markdown` gives a Markdown one); :meth:`to_json` and :meth:`from_json`
+    round-trip it. ``model``, ``method`` and ``inputs`` name the call.
     """
 
     rows: list[SummaryRow]
@@ -185,13 +186,24 @@ class Summary:
         return _summary_render.markdown(self)
 
     def __rich__(self) -> Any:
-        return _summary_render.renderable(self)
+        return _summary_render.grid(self)
 
     def __str__(self) -> str:
+        """The table as text at the terminal's width (natural when piped or in a notebook)."""
         return _summary_render.render(self)
 
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython
+    def __repr__(self) -> str:
+        t = self.totals
+        return (
+            f"<hx.Summary {self.title}: {len(self.rows)} call sites, {t.params:,} parameters, "
+            f"{_summary_render.compact(t.flops)} FLOPs>"
+        )
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython's text
         p.text(str(self))
+
+    def _repr_html_(self) -> str:  # a notebook's table
+        return _summary_render.html(self)
 
 
 def summary(

@@ -23,6 +23,7 @@ traced into an inner jaxpr) carries the child's scope, and is the child's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import sys
@@ -147,12 +148,23 @@ def _source() -> str:
 
 
 def _short_path(path: str) -> str:
+    """``path`` as its package names it (``flax/nnx/nn/linear.py``: from the folder on
+    ``sys.path`` that holds it, an editable install's too), else from the current folder."""
     for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
         i = path.rfind(marker)
         if i >= 0:
             return path[i + len(marker) :]
-    cwd = os.getcwd() + os.sep
-    return path[len(cwd) :] if path.startswith(cwd) else path
+    return _relative(path, os.getcwd(), tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=1024)
+def _relative(path: str, cwd: str, roots: tuple[str, ...]) -> str:
+    best = ""
+    for root in (cwd, *roots):
+        folder = os.path.join(os.path.abspath(root or cwd), "")
+        if path.startswith(folder) and len(folder) > len(best) and folder != os.sep:
+            best = folder
+    return path[len(best) :] if best else path
 
 
 def _struct(x: Any) -> Any:

@@ -223,6 +223,10 @@ class Session:
         self.matched = False  # whether any call site was selected
         self.owners: dict[str, Any] = {}  # key -> the NNX module first selected under it
         self.starts: dict[str, None] = {}  # selected keys in the order their first call started
+        # record key -> (call-site key, layers, what follows the layer in a key: "" or
+        # ":softmax"): one-layer selections of a scanned call site ("blocks/attn[3]",
+        # "blocks/attn[3]:softmax"), recorded stacked over the scan, split by the collector.
+        self.layered: dict[str, tuple[str, tuple[int, ...], str]] = {}
         self.op_notes: Any = None  # ``_ops.Notes`` of a session with ops= (set by its runner)
 
     def on_tag(self, args: list[Any], key: str, spec: Spec) -> list[Any]:
