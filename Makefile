@@ -31,8 +31,8 @@ demo: $(VENV)/.installed-cli
 	$(BIN)/hookax summary --example transformer
 
 lint: $(VENV)/.installed-dev
-	$(BIN)/ruff check hookax tests benchmarks docs noxfile.py .ci
-	$(BIN)/ruff format --check hookax tests benchmarks docs noxfile.py .ci
+	$(BIN)/ruff check hookax tests benchmarks docs noxfile.py .ci conftest.py
+	$(BIN)/ruff format --check hookax tests benchmarks docs noxfile.py .ci conftest.py
 
 typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
