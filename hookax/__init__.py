@@ -2,9 +2,10 @@
 
 The public API is the names in ``__all__``; everything else lives in private modules.
 
->>> import hookax as hx
->>> hx.__version__ != ""
-True
+Examples:
+  >>> import hookax as hx
+  >>> hx.__version__ != ""
+  True
 """
 
 # First, before JAX loads: in the `hookax` command, Ctrl-C is one line and exit 130, never a crash
@@ -53,6 +54,13 @@ from ._hooks.hooks import register_full_backward_pre_hook as register_full_backw
 from ._hooks.hooks import remove_hooks as remove_hooks
 from ._hooks.intercept import Interceptor as Interceptor
 from ._hooks.intercept import intercept as intercept
+from ._patching.attribution import attribution_patch as attribution_patch
+from ._patching.cache import logit_lens as logit_lens
+from ._patching.cache import split_heads as split_heads
+from ._patching.cache import stack_layers as stack_layers
+from ._patching.grid import patch_grid as patch_grid
+from ._patching.patch import PatchError as PatchError
+from ._patching.patch import patching as patching
 from ._summary.summary import Memory as Memory
 from ._summary.summary import Summary as Summary
 from ._summary.summary import SummaryRow as SummaryRow
@@ -82,6 +90,7 @@ __all__ = [
     "OpContext",
     "OpRow",
     "Ops",
+    "PatchError",
     "RecompileWarning",
     "Select",
     "Selector",
@@ -94,6 +103,7 @@ __all__ = [
     "SummaryRow",
     "SummaryTotals",
     "Values",
+    "attribution_patch",
     "capture",
     "grad_flow",
     "harvest",
@@ -103,9 +113,12 @@ __all__ = [
     "intercept_op",
     "key_linen_interceptors",
     "layer_grad_norms",
+    "logit_lens",
     "named_scopes",
     "open_store",
     "ops",
+    "patch_grid",
+    "patching",
     "plot_grad_flow",
     "register_forward_hook",
     "register_forward_pre_hook",
@@ -114,6 +127,8 @@ __all__ = [
     "remove_hooks",
     "show",
     "splice_eval",
+    "split_heads",
+    "stack_layers",
     "summary",
     "token_batches",
     "value_and_grad",

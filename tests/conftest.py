@@ -20,14 +20,6 @@ class TraceCounter:
         self.n += 1
 
 
-@pytest.fixture(autouse=True)
-def _natural_width(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Tables at their natural width, as when piped: pytest-xdist's workers set COLUMNS=80
-    (tests of the width set it themselves)."""
-    monkeypatch.delenv("COLUMNS", raising=False)
-    monkeypatch.delenv("LINES", raising=False)
-
-
 @pytest.fixture
 def traces() -> TraceCounter:
     return TraceCounter()
@@ -38,6 +30,7 @@ def traces() -> TraceCounter:
 # pages are doctests and cannot carry a decorator.
 SLOW = (
     "docs/attention.md::",
+    "docs/patching.md::",
     "docs/sae.md::",
     "docs/param_noise.md::",
     "docs/gradients.md::",

@@ -148,15 +148,15 @@ def value_and_grad(
     edits: costs at most what NNX's ``perturb`` costs, in time and memory
     (``benchmarks/bench_capture.py``).
 
-    Works wherever :func:`hookax.capture` does, and the gradients are laid out like its values:
-    inside ``nnx.scan``/``lax.scan`` stacked on the scan axis, inside ``vmap`` with the batch
-    axis in front, inside ``jax.jit`` with the model as an argument; the active selection is part
-    of the jit cache key. Call sites whose derivative JAX cannot give (inside ``while_loop``, a
+    Works wherever [`hx.capture`][hookax.capture] does, and the gradients are laid out like its
+    values: inside ``nnx.scan``/``lax.scan`` stacked on the scan axis, inside ``vmap`` with the
+    batch axis in front, inside ``jax.jit`` with the model as an argument; the active selection is
+    part of the jit cache key. Call sites whose derivative JAX cannot give (inside ``while_loop``, a
     ``custom_jvp``/``custom_vjp`` function, or a ``shard_map`` body) raise
-    :class:`hx.HookaxError` naming the call site; exclude them with ``where=``.
+    [`hx.HookaxError`][hookax.HookaxError] naming the call site; exclude them with ``where=``.
 
     ``ops=`` adds gradients with respect to operations inside call sites
-    (``act_grads["layers/0/attn:softmax"]``), addressed as :func:`hx.ops` lists them. An
+    (``act_grads["layers/0/attn:softmax"]``), addressed as [`hx.ops`][hookax.ops] lists them. An
     operation inside a ``custom_jvp``/``custom_vjp`` function has no gradient of its own (JAX
     differentiates the function by its rule): address the function instead.
 
@@ -172,15 +172,16 @@ def value_and_grad(
       A function of ``fn``'s arguments returning ``(loss, grads, act_grads)``, or
       ``((loss, aux), grads, act_grads)`` with ``has_aux=True``.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    >>> def loss_fn(model, x):
-    ...     return jnp.sum(model(x) ** 2)
-    >>> loss, grads, act_grads = hx.value_and_grad(loss_fn)(model, jnp.ones((3, 2)))
-    >>> bool(jnp.allclose(act_grads[""][0], 2 * model(jnp.ones((3, 2)))))
-    True
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> def loss_fn(model, x):
+      ...     return jnp.sum(model(x) ** 2)
+      >>> loss, grads, act_grads = hx.value_and_grad(loss_fn)(model, jnp.ones((3, 2)))
+      >>> bool(jnp.allclose(act_grads[""][0], 2 * model(jnp.ones((3, 2)))))
+      True
     """
     if not callable(fn):
         raise HookaxError(

@@ -376,14 +376,15 @@ def named_scopes() -> contextlib.AbstractContextManager[None]:
     metadata: the optimized program is the same. Active scopes are part of the jit cache key, so
     a function traced inside the block is traced again outside it.
 
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
-    >>> with hx.named_scopes():
-    ...     compiled = jax.jit(lambda m, x: m(x)).lower(model, jnp.ones((1, 2))).compile()
-    >>> 'op_name="jit(<lambda>)/Sequential/layers/0/dot_general"' in compiled.as_text()
-    True
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
+      >>> with hx.named_scopes():
+      ...     compiled = jax.jit(lambda m, x: m(x)).lower(model, jnp.ones((1, 2))).compile()
+      >>> 'op_name="jit(<lambda>)/Sequential/layers/0/dot_general"' in compiled.as_text()
+      True
     """
     from .._hooks.intercept import Entry, scoped
 
@@ -396,12 +397,12 @@ def intercept_op(
     """Replace the values of operations inside call sites for the duration of a ``with`` block.
 
     ``fn(value, op)`` runs on each selected operation's output (an array, or a tuple for an
-    operation with several outputs) with its :class:`hx.OpContext`; it returns the new value,
-    of the same shape and dtype, or ``None`` to leave it. The rest of the program, and its
-    gradient, use the new value. ``ops=`` takes addresses as :func:`hx.ops` lists them
-    (``"layers/0/attn:softmax"``), with globs (``"layers/*/attn:softmax"``, ``"**:exp#*"``).
-    Edits work eagerly and under ``jax.jit``/``nnx.jit`` (the active edits are part of the jit
-    cache key), ``vmap``, ``scan`` over layers and ``jax.grad``; an operation inside a
+    operation with several outputs) with its [`hx.OpContext`][hookax.OpContext]; it returns the new
+    value, of the same shape and dtype, or ``None`` to leave it. The rest of the program, and its
+    gradient, use the new value. ``ops=`` takes addresses as [`hx.ops`][hookax.ops] lists them
+    (``"layers/0/attn:softmax"``), with globs (``"layers/*/attn:softmax"``, ``"**:exp#*"``). Edits
+    work eagerly and under ``jax.jit``/``nnx.jit`` (the active edits are part of the jit cache key),
+    ``vmap``, ``scan`` over layers and ``jax.grad``; an operation inside a
     ``custom_jvp``/``custom_vjp`` function cannot be edited (edit the function's output).
 
     Args:
@@ -412,19 +413,20 @@ def intercept_op(
       SelectorError: at the end of the block, when an address matched no operation that ran.
       HookError: ``fn`` returned a value of another structure or shape.
 
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> class Block(nnx.Module):
-    ...     def __init__(self):
-    ...         self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
-    ...     def __call__(self, x):
-    ...         return jax.nn.relu(self.lin(x)) * 2.0
-    >>> block = Block()
-    >>> with hx.intercept_op(lambda v, op: jnp.zeros_like(v), ops=":relu"):
-    ...     y = block(jnp.ones((1, 3)))
-    >>> y
-    Array([[0., 0., 0.]], dtype=float32)
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> class Block(nnx.Module):
+      ...     def __init__(self):
+      ...         self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+      ...     def __call__(self, x):
+      ...         return jax.nn.relu(self.lin(x)) * 2.0
+      >>> block = Block()
+      >>> with hx.intercept_op(lambda v, op: jnp.zeros_like(v), ops=":relu"):
+      ...     y = block(jnp.ones((1, 3)))
+      >>> y
+      Array([[0., 0., 0.]], dtype=float32)
     """
     if not callable(fn):
         raise HookaxError(
@@ -440,7 +442,7 @@ def intercept_op(
 
 @dataclasses.dataclass(frozen=True)
 class OpRow:
-    """One operation inside a call site, as :func:`hx.ops` lists it.
+    """One operation inside a call site, as [`hx.ops`][hookax.ops] lists it.
 
     Attributes:
       address: what ``ops=`` takes: ``"layers/0/attn:softmax"``.

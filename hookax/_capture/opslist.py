@@ -15,7 +15,8 @@ _HEADERS = ("Address", "Primitive", "Inputs", "Outputs", "Source")
 
 
 class Ops:
-    """The operations :func:`hx.ops` found: ``rows`` (:class:`hx.OpRow`), printed as a table."""
+    """The operations [`hx.ops`][hookax.ops] found: ``rows`` ([`hx.OpRow`][hookax.OpRow]),
+    printed as a table."""
 
     def __init__(self, rows: list[OpRow]) -> None:
         self.rows = rows
@@ -37,7 +38,7 @@ class Ops:
         return json.dumps([dataclasses.asdict(r) for r in self.rows], indent=1)
 
     def grid(self) -> Any:
-        """The table as a :class:`hookax._util.display.Grid` (what ``print`` and notebooks
+        """The table as a ``hookax._util.display.Grid`` (what ``print`` and notebooks
         show): one row per operation. Too wide for the terminal, each call site and each source
         line becomes a line of its own, above the operations it holds (named within the call
         site: ``:softmax``, the primitive in brackets where it differs)."""
@@ -117,19 +118,20 @@ def ops(fn: Callable[..., Any], *args: Any, where: Any = None, **kwargs: Any) ->
       **kwargs: example keyword arguments.
 
     Returns:
-      An :class:`hx.Ops`: ``rows`` and a printable table.
+      An [`hx.Ops`][hookax.Ops]: ``rows`` and a printable table.
 
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> class Block(nnx.Module):
-    ...     def __init__(self):
-    ...         self.lin = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
-    ...     def __call__(self, x):
-    ...         return jnp.exp(jax.nn.softmax(self.lin(x)))
-    >>> table = hx.ops(Block(), jnp.ones((2, 3)))
-    >>> [(r.address, r.within) for r in table if r.name in ("softmax", "exp", "dot_general")]
-    [('lin:dot_general', ''), (':softmax', ''), (':exp', ':softmax'), (':exp#1', '')]
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> class Block(nnx.Module):
+      ...     def __init__(self):
+      ...         self.lin = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+      ...     def __call__(self, x):
+      ...         return jnp.exp(jax.nn.softmax(self.lin(x)))
+      >>> table = hx.ops(Block(), jnp.ones((2, 3)))
+      >>> [(r.address, r.within) for r in table if r.name in ("softmax", "exp", "dot_general")]
+      [('lin:dot_general', ''), (':softmax', ''), (':exp', ':softmax'), (':exp#1', '')]
     """
     from .._hooks.intercept import Entry, tracked
     from .actgrad import eval_shape, framework_mode, is_nnx_module

@@ -4,10 +4,13 @@ keyword arguments (``--out`` for ``store=``, ``--where`` for ``where=``, ...).
 The library's messages stay as they are (a Python user reads them); the command line rewrites
 them here, on their way to stderr.
 
->>> in_flags("hx.harvest: store='a' is a file. Fix: pass a where= that matches, or overwrite=True.")
-"--out 'a' is a file. Fix: pass a --where that matches, or --overwrite."
->>> in_flags("hx.value_and_grad(where='x') matched no call site")
-"--where 'x' matched no call site"
+Examples:
+  >>> in_flags(
+  ...     "hx.harvest: store='a' is a file. Fix: pass a where= that matches, or overwrite=True."
+  ... )
+  "--out 'a' is a file. Fix: pass a --where that matches, or --overwrite."
+  >>> in_flags("hx.value_and_grad(where='x') matched no call site")
+  "--where 'x' matched no call site"
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class GradFlow:
     params: dict[str, tuple[float, float]]
 
     def grid(self) -> Any:
-        """The table (a :class:`hookax._util.display.Grid`): one row per layer, the values
+        """The table (a ``hookax._util.display.Grid``): one row per layer, the values
         to 4 significant digits."""
         from .._util.display import Grid
 
@@ -145,7 +145,7 @@ def layer_grad_norms(
     Keys are call-site keys in call order (``"layers/0"``; the model's own output is left out);
     a call site called several times gets the norm over all its calls; a call site inside a
     scan over layers gets one key per layer (``"layers[3]/mlp"``). Computed with
-    :func:`hookax.value_and_grad` under ``nnx.jit``: the model is not edited.
+    [`hx.value_and_grad`][hookax.value_and_grad] under ``nnx.jit``: the model is not edited.
 
     Args:
       model: a Flax NNX or Equinox module.
@@ -158,16 +158,17 @@ def layer_grad_norms(
     Returns:
       ``{label: norm}`` in call order.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> rngs = nnx.Rngs(0)
-    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))
-    >>> norms = layer_grad_norms(model, jnp.ones((2, 3)))
-    >>> list(norms)
-    ['layers/0', 'layers/1']
-    >>> all(v > 0 for v in norms.values())
-    True
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> rngs = nnx.Rngs(0)
+      >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))
+      >>> norms = layer_grad_norms(model, jnp.ones((2, 3)))
+      >>> list(norms)
+      ['layers/0', 'layers/1']
+      >>> all(v > 0 for v in norms.values())
+      True
     """
     return grad_flow(model, *inputs, loss_fn=loss_fn, where=where, **kwargs).outputs
 
@@ -177,12 +178,13 @@ def param_grad_stats(
 ) -> dict[str, tuple[float, float]]:
     """Mean and max of ``|d loss / d (parameters)|`` of each module's own parameters.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> rngs = nnx.Rngs(0)
-    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))
-    >>> list(param_grad_stats(model, jnp.ones((2, 3))))
-    ['layers/0', 'layers/1']
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> rngs = nnx.Rngs(0)
+      >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))
+      >>> list(param_grad_stats(model, jnp.ones((2, 3))))
+      ['layers/0', 'layers/1']
     """
     return grad_flow(model, *inputs, loss_fn=loss_fn, **kwargs).params
 
@@ -194,7 +196,7 @@ def grad_flow(
     where: Any = None,
     **kwargs: Any,
 ) -> GradFlow:
-    """Both measurements of one backward pass (see :class:`GradFlow`).
+    """Both measurements of one backward pass (see [`hx.GradFlow`][hookax.GradFlow]).
 
     ``model`` is a Flax NNX or Equinox module, or a Linen module bound to its variables
     (``module.bind(variables)``: the gradients are taken with respect to its ``params``).

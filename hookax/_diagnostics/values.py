@@ -37,7 +37,7 @@ class ValueRow:
 
 
 class Values:
-    """The overview :func:`show` returns: ``rows`` (:class:`ValueRow`), a table when printed,
+    """The overview [`hx.show`][hookax.show] returns: ``rows`` (``ValueRow``), a table when printed,
     an HTML table in a notebook."""
 
     def __init__(self, rows: list[ValueRow]) -> None:
@@ -91,22 +91,23 @@ def show(values: Any) -> Values:
     """An overview of captured values: one row per array, with its shape and statistics.
 
     Args:
-      values: what :func:`hookax.capture` returned (``{key: (value per call, ...)}``), or any
-        pytree of arrays (rows named by their paths).
+      values: what [`hx.capture`][hookax.capture] returned (``{key: (value per call, ...)}``), or
+        any pytree of arrays (rows named by their paths).
 
     Returns:
-      A :class:`hookax.Values`: printed, a table at the terminal's width; in a notebook, an
+      A [`hx.Values`][hookax.Values]: printed, a table at the terminal's width; in a notebook, an
       HTML table. The arrays themselves stay in ``values``.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
-    >>> y, acts = hx.capture(model)(jnp.ones((4, 2)))
-    >>> [(r.name, r.shape, r.dtype) for r in hx.show(acts).rows]
-    [('(model)', (4, 3), 'float32'), ('layers/0', (4, 3), 'float32')]
-    >>> hx.show({"x": jnp.arange(4.0)}).rows[0].mean
-    1.5
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
+      >>> y, acts = hx.capture(model)(jnp.ones((4, 2)))
+      >>> [(r.name, r.shape, r.dtype) for r in hx.show(acts).rows]
+      [('(model)', (4, 3), 'float32'), ('layers/0', (4, 3), 'float32')]
+      >>> hx.show({"x": jnp.arange(4.0)}).rows[0].mean
+      1.5
     """
     named: list[tuple[str, Any]] = []
     if isinstance(values, dict) and all(isinstance(v, tuple) for v in values.values()):

@@ -107,8 +107,9 @@ def call_stack() -> list[Frame]:
 def path_str(path: tuple[Any, ...]) -> str:
     """The string form of a path: keys joined with ``/``.
 
-    >>> path_str(("layers", 0, "attn"))
-    'layers/0/attn'
+    Examples:
+      >>> path_str(("layers", 0, "attn"))
+      'layers/0/attn'
     """
     return "/".join(str(k) for k in path)
 

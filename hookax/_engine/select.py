@@ -66,14 +66,15 @@ class Selector:
 def glob_to_regex(pattern: str) -> re.Pattern[str]:
     """Compile a path glob: ``*`` stays within one segment, ``**`` spans any number of them.
 
-    >>> bool(glob_to_regex("**/mlp").fullmatch("mlp"))
-    True
-    >>> bool(glob_to_regex("layers/*/attn").fullmatch("layers/3/attn"))
-    True
-    >>> bool(glob_to_regex("layers/*").fullmatch("layers/3/attn"))
-    False
-    >>> bool(glob_to_regex("*").fullmatch(""))  # the root has no segment
-    False
+    Examples:
+      >>> bool(glob_to_regex("**/mlp").fullmatch("mlp"))
+      True
+      >>> bool(glob_to_regex("layers/*/attn").fullmatch("layers/3/attn"))
+      True
+      >>> bool(glob_to_regex("layers/*").fullmatch("layers/3/attn"))
+      False
+      >>> bool(glob_to_regex("*").fullmatch(""))  # the root has no segment
+      False
     """
     segs = pattern.split("/")
     out = ""
@@ -96,11 +97,12 @@ def check_glob(pattern: str) -> None:
     Only ``*`` (within one segment) and ``**`` (a whole segment: any number of segments) are
     special; ``[``, ``?``, ``{`` and empty segments are mistakes (fnmatch or regex habits).
 
-    >>> check_glob("layers/*/attn")
-    >>> check_glob("layers/[")
-    Traceback (most recent call last):
-    ...
-    hookax._util.errors.SelectorError: malformed path glob 'layers/[': ...
+    Examples:
+      >>> check_glob("layers/*/attn")
+      >>> check_glob("layers/[")
+      Traceback (most recent call last):
+      ...
+      hookax._util.errors.SelectorError: malformed path glob 'layers/[': ...
     """
     if pattern and _GLOB_BAD.search(pattern):
         raise SelectorError(
@@ -118,10 +120,11 @@ def split_layers(pattern: str) -> tuple[str, frozenset[int] | None]:
     """A path glob and the scan iterations its suffix names: ``"blocks/attn[3]"``,
     ``"blocks/attn[1,3]"``, ``"blocks/attn[2:5]"`` (a range, end excluded).
 
-    >>> split_layers("blocks/attn[1, 4:6]")
-    ('blocks/attn', frozenset({1, 4, 5}))
-    >>> split_layers("layers/*/attn")
-    ('layers/*/attn', None)
+    Examples:
+      >>> split_layers("blocks/attn[1, 4:6]")
+      ('blocks/attn', frozenset({1, 4, 5}))
+      >>> split_layers("layers/*/attn")
+      ('layers/*/attn', None)
     """
     m = _LAYERS.match(pattern)
     if m is None:
@@ -159,12 +162,13 @@ class Select(Selector):
       paths: a glob or tuple of globs over the path string (``"layers/*/attn"``, ``"**/mlp"``).
       methods: a method name, a tuple of names, or ``"*"`` for every public method and
         ``__call__``. Left out, the consumer's default applies (every method for
-        :func:`~hookax.intercept`, ``__call__`` for hooks and capture).
+        [`hx.intercept`][hookax.intercept], ``__call__`` for hooks and capture).
 
-    >>> import hookax as hx
-    >>> sel = hx.Select(paths="layers/*") & ~hx.Select(paths="layers/0")
-    >>> sel
-    (Select(paths=('layers/*',)) & ~Select(paths=('layers/0',)))
+    Examples:
+      >>> import hookax as hx
+      >>> sel = hx.Select(paths="layers/*") & ~hx.Select(paths="layers/0")
+      >>> sel
+      (Select(paths=('layers/*',)) & ~Select(paths=('layers/0',)))
     """
 
     types: Any = None
@@ -407,8 +411,9 @@ def _coerce(where: Any) -> Selector:
 def as_selector(where: Any, default_methods: tuple[str, ...] | str) -> Selector:
     """Turn any ``where=`` form into a selector; the default methods apply unless it names some.
 
-    >>> as_selector(None, ("__call__",))
-    None (methods ('__call__',))
+    Examples:
+      >>> as_selector(None, ("__call__",))
+      None (methods ('__call__',))
     """
     if where is None:
         return _WithMethods(None, default_methods)

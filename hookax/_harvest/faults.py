@@ -6,13 +6,14 @@ Only errors of store operations come here (the model's own exceptions never do),
 ``OSError`` is a store fault; TensorStore reports its I/O failures as ``ValueError`` whose text
 starts with a status code (``PERMISSION_DENIED: Error writing local file ...``).
 
->>> e = fault("acts", NotADirectoryError(20, "Not a directory", "acts/progress"), 3, 3)
->>> print(e)  # doctest: +NORMALIZE_WHITESPACE
-hx.harvest: cannot write the store 'acts' at batch 3: a part of its path is a file, not a
-folder (was the store's folder moved or replaced by a file?) [NotADirectoryError: [Errno 20]
-Not a directory: 'acts/progress']. The 3 batches committed before are kept. Fix: put the
-store's folder back at store='acts', then run again with the same arguments: it resumes at
-batch 3.
+Examples:
+  >>> e = fault("acts", NotADirectoryError(20, "Not a directory", "acts/progress"), 3, 3)
+  >>> print(e)  # doctest: +NORMALIZE_WHITESPACE
+  hx.harvest: cannot write the store 'acts' at batch 3: a part of its path is a file, not a
+  folder (was the store's folder moved or replaced by a file?) [NotADirectoryError: [Errno 20]
+  Not a directory: 'acts/progress']. The 3 batches committed before are kept. Fix: put the
+  store's folder back at store='acts', then run again with the same arguments: it resumes at
+  batch 3.
 """
 
 from __future__ import annotations

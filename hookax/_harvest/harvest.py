@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Sized
 from pathlib import Path
 from typing import Any
 
-from .._capture.capture import _DEFAULT, where_and_ops
+from .._capture.capture import _DEFAULT, validate_while_steps, where_and_ops
 from .._util.errors import HookaxError
 
 __all__ = ["Harvest", "harvest"]
@@ -133,6 +133,7 @@ def harvest(
     dtype: Any = None,
     mask: Callable[..., Any] | None = None,
     row_axes: int = 1,
+    while_steps: int | None = None,
     overwrite: bool = False,
     metadata: Any = None,
     progress: bool | None = None,
@@ -143,11 +144,15 @@ def harvest(
     """Run ``fn`` over ``batches`` under jit and append the selected call sites' outputs to disk.
 
     Each batch is ``fn``'s positional arguments (a tuple, or one value). Every captured output
-    (as :func:`hookax.capture` returns it) becomes one zarr v3 array in ``store``, named by its
-    call-site key, with one *row* per entry of its leading ``row_axes`` axes: a ``(batch, seq,
-    d)`` output with ``row_axes=2`` gives ``batch * seq`` rows of ``d`` values. A call site
+    (as [`hx.capture`][hookax.capture] returns it) becomes one zarr v3 array in ``store``, named
+    by its call-site key, with one *row* per entry of its leading ``row_axes`` axes: a ``(batch,
+    seq, d)`` output with ``row_axes=2`` gives ``batch * seq`` rows of ``d`` values. A call site
     inside ``nnx.scan``/``lax.scan`` over layers, whose captured value is stacked ``(layers,
-    batch, ...)``, gives one array per layer, ``key[i]``, with the same rows. Rows of later
+    batch, ...)``, gives one array per layer, ``key[i]``, with the same rows. With
+    ``while_steps=N``, a call site inside a ``lax.while_loop`` (a decode loop) gives one array per
+    iteration, ``key[t]`` for ``t < N``, stacked as [`hx.capture`][hookax.capture] stacks it; rows
+    of iterations the loop did not reach hold NaN, and iterations from ``N`` on are dropped (the
+    step runs under jit, where the count is not known in time to raise). Rows of later
     batches are appended after earlier ones; ``_source`` records each row's batch and position.
 
     Writing overlaps computing: the host copy of a batch starts as soon as its step is
@@ -165,9 +170,9 @@ def harvest(
       fn: an NNX module (jitted with ``nnx.jit``, the module passed as an argument) or any
         function calling modules (jitted with ``jax.jit``).
       batches: an iterable of batches; iterated once.
-      where: which call sites (as :func:`hookax.capture`); default every module's ``__call__``,
-        or none when ``ops=`` is given.
-      ops: operations inside call sites (as :func:`hookax.capture`'s ``ops=``:
+      where: which call sites (as [`hx.capture`][hookax.capture]); default every module's
+        ``__call__``, or none when ``ops=`` is given.
+      ops: operations inside call sites (as [`hx.capture`][hookax.capture]'s ``ops=``:
         ``"layers/*/attn:softmax"``), stored like call-site outputs under their addresses.
       store: the store's folder.
       dtype: store floating outputs in this dtype (cast on the device: ``jnp.bfloat16`` halves
@@ -175,6 +180,8 @@ def harvest(
       mask: ``mask(*batch) -> bool array`` of the row axes' shape: rows where it is False
         (padding) are not stored. Computed inside the jitted step.
       row_axes: how many leading axes of each output are rows (``mask``'s number of axes).
+      while_steps: keep every iteration of each ``lax.while_loop``, up to this many (as
+        [`hx.capture`][hookax.capture]); default the last iteration only.
       overwrite: replace the hookax store at ``store``. Only a hookax store holding nothing but
         what hookax wrote, or an empty folder, is replaced; any other folder (and ``.``, the
         home folder and the folders above them, whatever they hold) raises with every file
@@ -193,22 +200,23 @@ def harvest(
         does a machine that loses power, at several times the cost per byte.
 
     Returns:
-      A :class:`Harvest` with the store's counts; ``.read(name)`` loads an array.
+      A ``Harvest`` with the store's counts; ``.read(name)`` loads an array.
 
     Raises:
       HookaxError: the store holds another harvest; an output whose leading axes are not the
         batch's rows; a write failed (the store stays valid: rerun to resume).
 
-    >>> import tempfile
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu)
-    >>> data = [jnp.full((2, 4), float(i)) for i in range(3)]
-    >>> store = tempfile.mkdtemp() + "/acts"
-    >>> h = hx.harvest(model, data, where="layers/0", store=store, dtype=jnp.bfloat16)
-    >>> h.rows, h.read("layers/0").shape, str(h.read("layers/0").dtype)
-    (6, (6, 8), 'bfloat16')
+    Examples:
+      >>> import tempfile
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu)
+      >>> data = [jnp.full((2, 4), float(i)) for i in range(3)]
+      >>> store = tempfile.mkdtemp() + "/acts"
+      >>> h = hx.harvest(model, data, where="layers/0", store=store, dtype=jnp.bfloat16)
+      >>> h.rows, h.read("layers/0").shape, str(h.read("layers/0").dtype)
+      (6, (6, 8), 'bfloat16')
     """
     t0 = time.perf_counter()
     import jax
@@ -220,6 +228,7 @@ def harvest(
     import_tensorstore()
     if row_axes < 1:
         raise HookaxError(f"hx.harvest: row_axes must be at least 1, got {row_axes}")
+    bound = validate_while_steps(while_steps, "hx.harvest")
     path = Path(store)
     check_path(path, overwrite=overwrite)  # a folder hookax may not write: refused before any work
     total = len(batches) if isinstance(batches, Sized) else None
@@ -227,7 +236,7 @@ def harvest(
     first = next(it, None)
     if first is None:
         raise HookaxError("hx.harvest: batches is empty: there is nothing to harvest.")
-    plan = _plan(fn, first, path, where, ops, dtype, mask, row_axes, overwrite, metadata)
+    plan = _plan(fn, first, path, where, ops, dtype, mask, row_axes, overwrite, metadata, bound)
     process, processes = jax.process_index(), jax.process_count()
     s, start = _open_store(path, plan, overwrite, fsync, process, processes)
     bar = Progress(shown(progress) and process == 0, total, start)
@@ -278,6 +287,7 @@ def _plan(
     row_axes: int,
     overwrite: bool,
     metadata: Any,
+    bound: int | None = None,
 ) -> _Plan:
     """Trace the step on the first batch: what the store holds. A new store computes batch 0
     meanwhile (it is written first); a store to resume only needs the shapes."""
@@ -286,7 +296,7 @@ def _plan(
     from .write import start_transfers
 
     where, patterns = where_and_ops(where, ops, "hx.harvest")
-    step = Step.cached(fn, where, patterns, dtype, mask, row_axes, as_args(first))
+    step = Step.cached(fn, where, patterns, dtype, mask, row_axes, as_args(first), bound)
     early = None
     if overwrite or not (path / META).exists():  # a new store: batch 0 computes meanwhile
         early = step(*as_args(first))
@@ -302,7 +312,9 @@ def _plan(
     desc = describe(
         leaves,
         model=_describe_fn(fn),
-        where=_describe_where(where) + (f" ops={[p.text for p in patterns]!r}" if patterns else ""),
+        where=_describe_where(where)
+        + (f" ops={[p.text for p in patterns]!r}" if patterns else "")
+        + (f" while_steps={bound}" if bound is not None else ""),
         row_axes=row_axes,
         masked=mask is not None,
         user=metadata,

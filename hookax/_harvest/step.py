@@ -66,27 +66,28 @@ def as_args(batch: Any) -> tuple[Any, ...]:
 
 
 def _scans(axes: tuple[tuple[str, Any], ...]) -> int:
-    """How many leading axes of a captured value scans stacked on it (``axes`` innermost
-    first, as :class:`hookax._transforms.tags.Record` keeps them; ``cond`` and ``while`` add
-    none). Only the outermost run of scans counts: a ``shard_map`` axis is not a layer axis."""
+    """How many leading axes of a captured value scans (and ``while`` loops with
+    ``while_steps=``) stacked on it (``axes`` innermost first, as
+    :class:`hookax._transforms.tags.Record` keeps them; ``cond`` and an unbounded ``while`` add
+    none). Only the outermost run counts: a ``shard_map`` axis is not a layer axis."""
     n = 0
-    for kind, _ in reversed(axes):
-        if kind in ("cond", "while"):
+    for kind, size in reversed(axes):
+        if kind == "cond" or (kind == "while" and size is None):
             continue
-        if kind != "scan":
+        if kind not in ("scan", "while"):
             break
         n += 1
     return n
 
 
 def _outputs(
-    f: Any, where: Any, ops: tuple[Any, ...], args: tuple[Any, ...]
+    f: Any, where: Any, ops: tuple[Any, ...], args: tuple[Any, ...], while_steps: int | None = None
 ) -> list[tuple[str, Origin, Any]]:
     """``(name, origin, value)`` for every array leaf of every selected call's output, as
     :func:`hookax.capture` collects them, and how many scan axes lead each."""
     from .._capture.capture import layer_keys, layer_split, session
 
-    s = session("hx.harvest", where, f, args, {}, ops=ops)
+    s = session("hx.harvest", where, f, args, {}, ops=ops, while_steps=while_steps)
     s.run(f, *args)
     layered = s.session.layered
     calls: dict[str, list[Any]] = {
@@ -163,13 +164,14 @@ class Step:
         mask: Callable[..., Any] | None,
         row_axes: int,
         first: tuple[Any, ...],
+        while_steps: int | None = None,
     ) -> None:
         self.origin: dict[str, Origin] = {}
         whole = replication(first)
 
         def body(f: Any, *args: Any) -> tuple[dict[str, Any], Any]:
             values = {}
-            for name, origin, v in _outputs(f, where, ops, args):
+            for name, origin, v in _outputs(f, where, ops, args, while_steps):
                 self.origin[name] = origin
                 values[name] = _cast(v, dtype)
             if mask is None:
@@ -199,6 +201,7 @@ class Step:
         mask: Callable[..., Any] | None,
         row_axes: int,
         first: tuple[Any, ...],
+        while_steps: int | None = None,
     ) -> Step:
         """The step of an earlier run with the same arguments (its compilations kept), or a
         new one. Objects are compared by identity, and kept alive by the cache."""
@@ -207,11 +210,20 @@ class Step:
 
         # compares by value
         selector = where if where is _NO_SITES else as_selector(where, CALL_ONLY)
-        key = (id(fn), selector, ops, str(dtype), id(mask), row_axes, replication(first))
+        key = (
+            id(fn),
+            selector,
+            ops,
+            str(dtype),
+            id(mask),
+            row_axes,
+            replication(first),
+            while_steps,
+        )
         hit = _CACHE.get(key)
         if hit is not None and hit[0] is fn and hit[1] is mask:
             return hit[2]
-        step = cls(fn, where, ops, dtype, mask, row_axes, first)
+        step = cls(fn, where, ops, dtype, mask, row_axes, first, while_steps)
         _CACHE[key] = (fn, mask, step)
         while len(_CACHE) > 4:
             del _CACHE[next(iter(_CACHE))]

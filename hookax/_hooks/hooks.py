@@ -324,15 +324,16 @@ def register_forward_pre_hook(
       prepend: run before the hooks already registered.
 
     Returns:
-      A :class:`HookHandle`; ``remove()`` it, or use it as a context manager.
+      A [`hx.HookHandle`][hookax.HookHandle]; ``remove()`` it, or use it as a context manager.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-    >>> with hx.register_forward_pre_hook(model, lambda m, args: args[0] * 0):
-    ...     print(model(jnp.ones((1, 2))))
-    [[0. 0. 0.]]
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+      >>> with hx.register_forward_pre_hook(model, lambda m, args: args[0] * 0):
+      ...     print(model(jnp.ones((1, 2))))
+      [[0. 0. 0.]]
     """
     rec = HookRecord("forward_pre", hook, with_kwargs=with_kwargs, prepend=prepend)
     return _register(module, rec, where, "register_forward_pre_hook")
@@ -364,18 +365,19 @@ def register_forward_hook(
       prepend: run before the hooks already registered.
 
     Returns:
-      A :class:`HookHandle`.
+      A [`hx.HookHandle`][hookax.HookHandle].
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> rngs = nnx.Rngs(0)
-    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=rngs), nnx.Linear(3, 1, rngs=rngs))
-    >>> h = hx.register_forward_hook(model, lambda m, a, out: print(out.shape), where=nnx.Linear)
-    >>> _ = model(jnp.ones((4, 2)))
-    (4, 3)
-    (4, 1)
-    >>> h.remove()
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> rngs = nnx.Rngs(0)
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=rngs), nnx.Linear(3, 1, rngs=rngs))
+      >>> h = hx.register_forward_hook(model, lambda m, a, out: print(out.shape), where=nnx.Linear)
+      >>> _ = model(jnp.ones((4, 2)))
+      (4, 3)
+      (4, 1)
+      >>> h.remove()
     """
     rec = HookRecord(
         "forward", hook, with_kwargs=with_kwargs, always_call=always_call, prepend=prepend
@@ -396,14 +398,15 @@ def register_full_backward_pre_hook(
     (``jax.grad``, ``nnx.grad``, ``jax.vjp``), so it must be JAX-traceable; print values with
     ``jax.debug.print``.
 
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
-    >>> _ = hx.register_full_backward_pre_hook(model, lambda m, g: (g[0] * 3,))
-    >>> nnx.grad(lambda m, x: m(x).sum(), argnums=1)(model, jnp.ones((1, 1))) / model.kernel[...]
-    Array([[3.]], dtype=float32)
-    >>> hx.remove_hooks(model)
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
+      >>> _ = hx.register_full_backward_pre_hook(model, lambda m, g: (g[0] * 3,))
+      >>> nnx.grad(lambda m, x: m(x).sum(), argnums=1)(model, jnp.ones((1, 1))) / model.kernel[...]
+      Array([[3.]], dtype=float32)
+      >>> hx.remove_hooks(model)
     """
     rec = HookRecord("backward_pre", hook, prepend=prepend)
     return _register(module, rec, where, "register_full_backward_pre_hook")
@@ -415,23 +418,25 @@ def register_full_backward_hook(
     """Run ``hook`` when JAX computes the gradients of ``module``'s positional inputs.
 
     ``hook(module, grad_input, grad_output) -> None | new_grad_input``: as in PyTorch,
-    ``grad_input`` is a tuple with one entry per positional argument (None for an argument with
-    no float arrays, or not differentiated; zeros for one that is differentiated but does not
-    reach the output) and ``grad_output`` the tuple of
-    :func:`register_full_backward_pre_hook`. A replacement is the gradient that flows on to the
-    inputs; a None entry in it means a zero gradient. When no input is differentiated (the first
-    layer, or gradients of the parameters only) the hook still runs, with ``grad_input`` all
-    None, and must return None (or all None), as in PyTorch. JAX-traceable, like
-    :func:`register_full_backward_pre_hook`.
+    ``grad_input`` is a tuple with one entry per positional argument (None for an argument with no
+    float arrays, or not differentiated; zeros for one that is differentiated but does not reach the
+    output) and ``grad_output`` the tuple of
+    [`hx.register_full_backward_pre_hook`][hookax.register_full_backward_pre_hook]. A replacement is
+    the gradient that flows on to the inputs; a None entry in it means a zero gradient. When no
+    input is differentiated (the first layer, or gradients of the parameters only) the hook still
+    runs, with ``grad_input`` all None, and must return None (or all None), as in PyTorch.
+    JAX-traceable, like
+    [`hx.register_full_backward_pre_hook`][hookax.register_full_backward_pre_hook].
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    >>> h = hx.register_full_backward_hook(model, lambda m, gi, go: print(gi, go[0].shape))
-    >>> _ = nnx.grad(lambda m, x: m(x).sum())(model, jnp.ones((3, 2)))  # parameters only
-    (None,) (3, 1)
-    >>> h.remove()
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> h = hx.register_full_backward_hook(model, lambda m, gi, go: print(gi, go[0].shape))
+      >>> _ = nnx.grad(lambda m, x: m(x).sum())(model, jnp.ones((3, 2)))  # parameters only
+      (None,) (3, 1)
+      >>> h.remove()
     """
     rec = HookRecord("backward", hook, prepend=prepend)
     return _register(module, rec, where, "register_full_backward_hook")
@@ -456,20 +461,21 @@ def hooks(
 ) -> contextlib.AbstractContextManager[None]:
     """Hooks on every selected call site, for a ``with`` block on this thread.
 
-    Same signatures and semantics as the ``register_*`` functions (``forward_pre`` and
-    ``forward`` get keyword arguments when ``with_kwargs=True``; ``forward`` also runs when a
-    pre-hook or the method raised when ``always_call=True``). At each call site scoped hooks
-    run before the module's own hooks of the same kind, as PyTorch's global module hooks do;
-    nested blocks run outermost first. Cache-correct under jit like :func:`~hookax.intercept`:
-    pass the same hook objects to hit the caches.
+    Same signatures and semantics as the ``register_*`` functions (``forward_pre`` and ``forward``
+    get keyword arguments when ``with_kwargs=True``; ``forward`` also runs when a pre-hook or the
+    method raised when ``always_call=True``). At each call site scoped hooks run before the module's
+    own hooks of the same kind, as PyTorch's global module hooks do; nested blocks run outermost
+    first. Cache-correct under jit like [`hx.intercept`][hookax.intercept]: pass the same hook
+    objects to hit the caches.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-    >>> with hx.hooks(forward=lambda m, args, out: jnp.zeros_like(out)):
-    ...     print(model(jnp.ones((1, 2))))
-    [[0. 0. 0.]]
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+      >>> with hx.hooks(forward=lambda m, args, out: jnp.zeros_like(out)):
+      ...     print(model(jnp.ones((1, 2))))
+      [[0. 0. 0.]]
     """
     given = {"forward_pre": forward_pre, "forward": forward, "backward_pre": backward_pre}
     given["backward"] = backward

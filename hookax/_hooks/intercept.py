@@ -163,17 +163,18 @@ def intercept(interceptor: Interceptor, *, where: Any = None) -> contextlib.Abst
       interceptor: the function to run around each selected call.
       where: which call sites; default every public method and ``__call__`` of every module.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-    >>> def show(next_fun, args, kwargs, context):
-    ...     out = next_fun(*args, **kwargs)
-    ...     print(type(context.module).__name__, context.method, out.shape)
-    ...     return out
-    >>> with hx.intercept(show):
-    ...     _ = model(jnp.ones((4, 2)))
-    Linear __call__ (4, 3)
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+      >>> def show(next_fun, args, kwargs, context):
+      ...     out = next_fun(*args, **kwargs)
+      ...     print(type(context.module).__name__, context.method, out.shape)
+      ...     return out
+      >>> with hx.intercept(show):
+      ...     _ = model(jnp.ones((4, 2)))
+      Linear __call__ (4, 3)
     """
     if not callable(interceptor):
         from .._util.errors import HookaxError

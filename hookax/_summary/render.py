@@ -16,10 +16,11 @@ _HEADERS = ("Call site", "Type", "Inputs", "Outputs", "Params", "FLOPs", "VJP FL
 def compact(n: float | None, unit: str = "") -> str:
     """A number with an SI prefix: ``compact(33024) == '33K'``.
 
-    >>> compact(6_738_415_616)
-    '6.74G'
-    >>> compact(None), compact(0)
-    ('?', '0')
+    Examples:
+      >>> compact(6_738_415_616)
+      '6.74G'
+      >>> compact(None), compact(0)
+      ('?', '0')
     """
     if n is None:
         return "?"
@@ -36,8 +37,9 @@ def compact(n: float | None, unit: str = "") -> str:
 def human_bytes(n: int) -> str:
     """``human_bytes(940_584) == '918.54 KiB'``.
 
-    >>> human_bytes(12)
-    '12 B'
+    Examples:
+      >>> human_bytes(12)
+      '12 B'
     """
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:

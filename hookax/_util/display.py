@@ -7,13 +7,14 @@ its numeric columns never wrap, so no number is ever cut or shortened to ``…``
 widest first, never below their longest piece. Without a width (output piped to a file, no
 ``COLUMNS``) a table keeps its natural width.
 
->>> g = Grid("t", ("Key", "Count"), [("layers/0/mlp", "1,234,567")], numeric=frozenset({1}))
->>> print(g.text(20))
-t
-Key            Count
-────────────────────
-layers/0/  1,234,567
- mlp
+Examples:
+  >>> g = Grid("t", ("Key", "Count"), [("layers/0/mlp", "1,234,567")], numeric=frozenset({1}))
+  >>> print(g.text(20))
+  t
+  Key            Count
+  ────────────────────
+  layers/0/  1,234,567
+   mlp
 """
 
 from __future__ import annotations
@@ -86,8 +87,9 @@ def _breaks_after(text: str, i: int) -> bool:
 def pieces(text: str) -> list[str]:
     """``text`` cut where a line may break (each piece keeps its trailing separator).
 
-    >>> pieces("layers/0/attn 1.41M f32[2,32,172]")
-    ['layers/', '0/', 'attn ', '1.41M ', 'f32[2,32,172]']
+    Examples:
+      >>> pieces("layers/0/attn 1.41M f32[2,32,172]")
+      ['layers/', '0/', 'attn ', '1.41M ', 'f32[2,32,172]']
     """
     out, start = [], 0
     for i in range(1, len(text)):
@@ -117,8 +119,9 @@ def wrap(
     piece wider than the whole width is cut (a width below :func:`min_width`). ``cut``:
     :func:`pieces_of` of ``text``, when already computed.
 
-    >>> wrap("  layers/0/mlp/gate", 12)
-    ['  layers/0/', '   mlp/gate']
+    Examples:
+      >>> wrap("  layers/0/mlp/gate", 12)
+      ['  layers/0/', '   mlp/gate']
     """
     out: list[str] = []
     for lead, parts in pieces_of(text) if cut is None else cut:
@@ -161,8 +164,9 @@ def fit(columns: Sequence[Sequence[str]], minimum: Sequence[int], room: int) -> 
     cells wrap before a column of many does. None narrows below its ``minimum`` (the sum of the
     minimums when even those do not fit).
 
-    >>> fit([["Key", "layers/0/mlp", "x"], ["Count", "1,234"]], [7, 5], 14)
-    [9, 5]
+    Examples:
+      >>> fit([["Key", "layers/0/mlp", "x"], ["Count", "1,234"]], [7, 5], 14)
+      [9, 5]
     """
     natural = [max(natural_width(c) for c in col) for col in columns]
     widths = list(natural)
