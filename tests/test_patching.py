@@ -567,3 +567,32 @@ def test_patching_under_jax_grad_equals_the_hand_gradient() -> None:
         return metric(reference(CORRUPT, hand_patch(1, value, mask)))
 
     close(jax.jit(jax.grad(patched))(CLEAN_ACTS[1]), jax.grad(by_hand)(CLEAN_ACTS[1]))
+
+
+def test_one_layer_of_a_scanned_stack_by_suffix():
+    """``"blocks/mlp[3]"`` patches layer 3 only; a grid over the layers of a scan, one row per
+    layer, equals the layers unrolled by hand with that layer's output replaced."""
+    from tests.test_scan_layers import Scanned, X, _kernels, unrolled
+
+    model = Scanned()
+    w, b = _kernels(model)
+    value = jnp.ones((2, 4))
+
+    @jax.jit
+    def run(model, x, value):
+        with hx.patching({"blocks/mlp[3]": value}):
+            return model(x)
+
+    want = unrolled(w, b, X, lambda i, o: value if i == 3 else o)
+    np.testing.assert_allclose(run(model, X, value), want, rtol=1e-6)
+    clean, corrupt = X, X[::-1] * 0.5
+    metric = lambda y: y.sum()  # noqa: E731
+    grid = hx.patch_grid(
+        model, (clean,), (corrupt,), metric, where="blocks/mlp[0:5]", positions=None
+    )
+    _, acts = hx.capture(model, where="blocks/mlp")(clean)
+    for i in range(5):
+        by_hand = unrolled(
+            w, b, corrupt, lambda j, o, i=i: acts["blocks/mlp"][0][i] if j == i else o
+        )
+        np.testing.assert_allclose(grid[i], metric(by_hand), rtol=1e-5)

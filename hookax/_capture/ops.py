@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._engine import dispatch as _dispatch
-from .._engine.select import Select, Selector, check_glob, split_layers
+from .._engine.select import Select, Selector, check_glob, split_layers, split_method
 from .._hooks import layergate as _layergate
 from .._transforms import tags as _tags
 from .._transforms.optrace import OpContext, Site, Walker, push_scope
@@ -84,7 +84,7 @@ def parse_ops(ops: Any, who: str) -> tuple[OpPattern, ...]:
                 "module). Fix: write the call site's path, a colon, then the operation; "
                 "hx.ops(model, x) lists the addresses."
             )
-        path, _, method = site.partition(":")
+        path, method = split_method(site)
         check_glob(split_layers(path)[0])
         index = m["index"]
         out.append(

@@ -116,6 +116,22 @@ def check_glob(pattern: str) -> None:
 _LAYERS = re.compile(r"^(.*[^\]])\[([^\[\]]*)\]$")
 
 
+_KEY_METHOD = re.compile(r"^((?:[^:\[]|\[[^\]]*\])*)(?::(.*))?$", re.S)
+
+
+def split_method(key: str) -> tuple[str, str]:
+    """A key or pattern as ``(path, method)``, the colon inside a layer range kept in the path.
+
+    >>> split_method("blocks/mlp[0:3]:encode"), split_method("blocks/mlp[1]")
+    (('blocks/mlp[0:3]', 'encode'), ('blocks/mlp[1]', ''))
+    """
+    m = _KEY_METHOD.match(key)
+    if m is None:  # an unbalanced '[': the glob check names it
+        path, _, method = key.partition(":")
+        return path, method
+    return m.group(1), m.group(2) or ""
+
+
 def split_layers(pattern: str) -> tuple[str, frozenset[int] | None]:
     """A path glob and the scan iterations its suffix names: ``"blocks/attn[3]"``,
     ``"blocks/attn[1,3]"``, ``"blocks/attn[2:5]"`` (a range, end excluded).

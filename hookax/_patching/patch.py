@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._engine.select import split_layers
 from .._hooks.intercept import intercept
+from .._hooks.layergate import layer_pred
 from .._util.errors import HookaxError, SelectorError
 
 __all__ = ["PatchError", "patching", "position_mask"]
@@ -97,17 +99,21 @@ def _run(
     state.seen.add(key)
     out = next_fun(*args, **kwargs)
     for k, (target, entries) in enumerate(items):
-        if target == key:
-            n = state.calls.get(key, 0)
-            state.calls[key] = n + 1
-            state.applied.add(key)
-            value = _value_for(key, k, out, entries[n % len(entries)], state)
+        site, layers = split_layers(target)
+        if site == key:
+            n = state.calls.get(target, 0)
+            state.calls[target] = n + 1
+            state.applied.add(target)
+            value = _value_for(key, k, out, entries[n % len(entries)], state, context)
             mask = position_mask(positions, out.shape, axis, key)
+            if layers is not None:  # one layer of a scanned stack: "blocks/mlp[3]"
+                pred = layer_pred(context._frame, layers, (args, kwargs))
+                mask = pred if mask is None else mask & pred
             return value if mask is None else jnp.where(mask, value, out)
     return out
 
 
-def _value_for(key: str, k: int, out: Any, entry: Any, state: _State) -> Any:
+def _value_for(key: str, k: int, out: Any, entry: Any, state: _State, context: Any) -> Any:
     """The value replacing ``out``: ``entry`` itself, or its entry for this run of ``key``."""
     if not isinstance(out, jax.Array | np.ndarray):
         raise PatchError(
@@ -118,6 +124,9 @@ def _value_for(key: str, k: int, out: Any, entry: Any, state: _State) -> Any:
     if value.shape == out.shape:
         return value.astype(out.dtype)
     if value.ndim == out.ndim + 1 and value.shape[1:] == out.shape:
+        layer = context.layer  # inside a scan over layers: the traced layer index
+        if layer is not None:
+            return jax.lax.dynamic_index_in_dim(value, layer, 0, keepdims=False).astype(out.dtype)
         counts = state.counts
         run = counts[...][k]
         counts[...] = counts[...].at[k].add(1)

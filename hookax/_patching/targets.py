@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._engine.select import Select, check_glob, glob_to_regex
+from .._engine.select import Select, check_glob, glob_to_regex, split_layers, split_method
 from .._hooks.intercept import intercept
 from .._util.errors import SelectorError
 from . import compiled
@@ -40,9 +40,9 @@ def parse(where: Any, who: str) -> list[Target]:
     for item in items:
         if not isinstance(item, str):
             raise SelectorError(f"{who}: where= entries are strings like 'layers/3', got {item!r}.")
-        path, _, method = item.partition(":")
+        path, method = split_method(item)
         if path:
-            check_glob(path)
+            check_glob(split_layers(path)[0])  # "blocks/mlp[3]": one layer of a scanned stack
         out.append((path, method or "__call__"))
     return out
 
@@ -51,7 +51,7 @@ def selector(keys: list[str]) -> Any:
     """A selector picking exactly these call-site keys (for ``hx.capture``)."""
     sel: Any = None
     for key in keys:
-        path, _, method = key.partition(":")
+        path, method = split_method(key)
         one = Select(paths=path, methods=method or "__call__")
         sel = one if sel is None else sel | one
     return sel
@@ -90,7 +90,8 @@ def discover(fn: Any, args: tuple[Any, ...]) -> dict[str, list[Any]]:
 def expand(targets: list[Target], found: dict[str, list[Any]], who: str) -> list[str]:
     """The keys ``targets`` name, in call order within each; one that names none raises."""
     keys: list[str] = []
-    for path, method in targets:
+    for target, method in targets:
+        path, layers = split_layers(target)
         rx = glob_to_regex(path) if path else None
         hits = [
             k
@@ -99,19 +100,33 @@ def expand(targets: list[Target], found: dict[str, list[Any]], who: str) -> list
             and (rx.fullmatch(k.partition(":")[0]) if rx else k.partition(":")[0] == "")
         ]
         if not hits:
-            text = path if method == "__call__" else f"{path}:{method}"
+            text = target if method == "__call__" else f"{target}:{method}"
             near = difflib.get_close_matches(text, list(found), n=6, cutoff=0.0) or list(found)[:6]
             raise SelectorError(
                 f"{who}: where={text!r} matched no call site; those that ran include "
                 f"{', '.join(repr(k) for k in near)}. Fix: use a key as hx.capture names it."
             )
+        if layers is not None:  # one key per layer, the way hx.capture names them
+            hits = [_layer_key(k, i) for k in hits for i in sorted(layers)]
         keys += [k for k in hits if k not in keys]
     return keys
 
 
+def _layer_key(key: str, layer: int) -> str:
+    """``"blocks/mlp"`` -> ``"blocks/mlp[3]"``; ``"enc:encode"`` -> ``"enc[3]:encode"``."""
+    path, sep, method = key.partition(":")  # a call-site key: no layer suffix yet
+    return f"{path}[{layer}]{sep}{method}"
+
+
+def site_of(key: str) -> str:
+    """The call-site key of a target key: its layer suffix dropped."""
+    path, method = split_method(key)
+    return split_layers(path)[0] + (f":{method}" if method else "")
+
+
 def out_spec(key: str, found: dict[str, list[Any]], who: str) -> Any:
     """The output shape of ``key``'s first call; its calls must all have one array shape."""
-    specs = found[key]
+    specs = found[site_of(key)]
     if specs[0] is None or any(s is None or s.shape != specs[0].shape for s in specs):
         raise PatchError(
             f"{who}: call site {key!r} returns {specs}; a patching target must return arrays "
