@@ -20,6 +20,7 @@ from ._diagnostics.gradflow import GradFlow as GradFlow
 from ._diagnostics.gradflow import grad_flow as grad_flow
 from ._diagnostics.gradflow import layer_grad_norms as layer_grad_norms
 from ._diagnostics.gradflow import plot_grad_flow as plot_grad_flow
+from ._diagnostics.stats import value_grad_and_stats as value_grad_and_stats
 from ._engine.adapters import StaleTraceWarning as StaleTraceWarning
 from ._engine.adapters import ensure_installed as _ensure_installed
 from ._engine.adapters import key_linen_interceptors as key_linen_interceptors
@@ -102,6 +103,7 @@ __all__ = [
     "summary",
     "token_batches",
     "value_and_grad",
+    "value_grad_and_stats",
 ]
 
 _ensure_installed()  # adapters of frameworks imported already (none is imported here)

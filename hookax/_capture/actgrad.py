@@ -77,22 +77,32 @@ def _eqx_value_and_grad(
 
 
 def _discover(
-    fn: Any, where: Any, ops: tuple[Any, ...], mode: Any, args: tuple, kwargs: dict
+    fn: Any,
+    where: Any,
+    ops: tuple[Any, ...],
+    mode: Any,
+    args: tuple,
+    kwargs: dict,
+    who: str = WHO,
+    marker: Any = _capture._Marker,
 ) -> tuple[list[Any], list[str]]:
-    """The records a capture of ``fn(*args)`` makes, as ``(key, spec, avals)``, abstractly; and
-    the keys in the order their first call started (the order ``hx.capture`` gives)."""
+    """The records a capture of ``fn(*args)`` makes, as ``(key, spec, avals, axes)`` (axes: the
+    transforms each value left, :class:`hookax._transforms.tags.Record`), abstractly; and
+    the keys in the order their first call started (the order ``hx.capture`` gives). ``who`` and
+    ``marker``: the caller's name and its session marker (:func:`hookax._capture.capture.session`).
+    """
     found: list[Any] = []
     order: list[str] = []
 
     def probe(*a: Any, **k: Any) -> Any:
-        s = _capture.session(WHO, where, fn, a, k, ops=ops)
+        s = _capture.session(who, where, fn, a, k, ops=ops, marker=marker)
         s.run(fn, *a, **k)
-        found[:] = [(r.key, r.spec) for r in s.session.records]
+        found[:] = [(r.key, r.spec, r.axes) for r in s.session.records]
         order[:] = list(_capture.collect(s.session))
         return [r.values for r in s.session.records]
 
     shapes = eval_shape(probe, mode, args, kwargs)
-    return [(key, spec, avals) for (key, spec), avals in zip(found, shapes)], order
+    return [(key, spec, avals, axes) for (key, spec, axes), avals in zip(found, shapes)], order
 
 
 def eval_shape(probe: Callable[..., Any], mode: Any, args: tuple, kwargs: dict) -> Any:
@@ -122,7 +132,7 @@ def _zeros(records: list[Any]) -> list[list[Any]]:
             jnp.zeros(a.shape, a.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else None
             for a in avals
         ]
-        for _, _, avals in records
+        for _, _, avals, _ in records
     ]
 
 
@@ -225,18 +235,26 @@ def _mode(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], nums_pos: tupl
 
 
 def _planted(
-    fn: Callable[..., Any], where: Any, patterns: Any, records: list[Any], kwargs: dict[str, Any]
+    fn: Callable[..., Any],
+    where: Any,
+    patterns: Any,
+    records: list[Any],
+    kwargs: dict[str, Any],
+    who: str = WHO,
+    marker: Any = _capture._Marker,
 ) -> Callable[..., Any]:
     """``fn`` taking the perturbations as a last argument, planted on the recorded call sites."""
 
     def inner(*a: Any) -> Any:
         *fargs, p = a
-        s = _capture.session(WHO, where, fn, tuple(fargs), kwargs, "plant", p, patterns)
+        s = _capture.session(
+            who, where, fn, tuple(fargs), kwargs, "plant", p, patterns, marker=marker
+        )
         out = s.run(fn, *fargs, **kwargs)
         if s.session.used != len(p):
             key = records[s.session.used][0]
             raise HookaxError(
-                f"{WHO}: call site {key!r} ran fewer times while differentiating than when "
+                f"{who}: call site {key!r} ran fewer times while differentiating than when "
                 f"its outputs were measured; its gradients would be wrong. The function must "
                 f"call the same modules the same number of times for the same inputs."
             )
@@ -268,6 +286,6 @@ def _differentiate(
 def _act_grads(records: list[Any], order: list[str], g: Any) -> dict[str, tuple[Any, ...]]:
     """The perturbations' gradients by call-site key, one entry per call, in call order."""
     act_grads: dict[str, list[Any]] = {k: [] for k in order}
-    for (key, spec, _), leaves in zip(records, g):
+    for (key, spec, _, _), leaves in zip(records, g):
         act_grads.setdefault(key, []).append(_tags.unwrap(spec.rebuild(list(leaves))))
     return {k: tuple(v) for k, v in act_grads.items()}

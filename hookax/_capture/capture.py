@@ -54,7 +54,15 @@ class _Marker:
             live.matched = True
             live.starts.setdefault(ctx.key)
             _check_collision(live, ctx)
-        return _tags.mark(next_fun(*args, **kwargs), self.sid, ctx.key)
+        return self.tag(next_fun(*args, **kwargs), ctx)
+
+    def tag(self, out: Any, ctx: Any) -> Any:
+        """Mark what this session carries for a selected call site; return what its caller gets.
+
+        Here the output itself; a subclass may mark something derived from it (the
+        statistics taps of :mod:`hookax._diagnostics.stats` mark a small dummy instead).
+        """
+        return _tags.mark(out, self.sid, ctx.key)
 
 
 _EVERY_CALL_SITE = as_selector(None, ALL_METHODS)
@@ -87,18 +95,25 @@ class _Session:
     """Context for one session: make it live, its marker active and its trace current."""
 
     def __init__(
-        self, session: _tags.Session, selector: Any, where: Any, ops: tuple[Any, ...] = ()
+        self,
+        session: _tags.Session,
+        selector: Any,
+        where: Any,
+        ops: tuple[Any, ...] = (),
+        marker: Callable[[int, Any], _Marker] = _Marker,
     ) -> None:
         self.session = session
         self.selector = selector
         self.where = where
         self.ops = ops
+        self.marker = marker
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         s = self.session
         s.seen = set()
         s.matched = False
-        entry = _intercept.Entry("intercept", _Marker(s.sid, self.selector), _EVERY_CALL_SITE)
+        marker = self.marker(s.sid, self.selector)
+        entry = _intercept.Entry("intercept", marker, _EVERY_CALL_SITE)
         with contextlib.ExitStack() as stack:
             stack.enter_context(_intercept.scoped(entry))
             if self.ops:
@@ -141,14 +156,16 @@ def session(
     mode: str = "reap",
     probes: Any = None,
     ops: tuple[Any, ...] = (),
+    marker: Callable[[int, Any], _Marker] = _Marker,
 ) -> _Session:
     """A session for ``who`` (``"hx.capture"``, ``"hx.value_and_grad"``) over ``fn(*args)``;
-    ``ops`` are parsed ``ops=`` patterns, and ``where`` may be :data:`_NO_SITES`."""
+    ``ops`` are parsed ``ops=`` patterns, and ``where`` may be :data:`_NO_SITES`. ``marker``
+    makes the interceptor from ``(sid, selector)``: a value-comparable :class:`_Marker`."""
     if where is _NO_SITES:
         selector: Any = _NONE_SELECTED
     else:
         selector = as_selector(resolve_instances(where, (fn, args, kwargs)), CALL_ONLY)
-    return _Session(_tags.Session(next_sid(), who, mode, probes), selector, where, ops)
+    return _Session(_tags.Session(next_sid(), who, mode, probes), selector, where, ops, marker)
 
 
 def where_and_ops(where: Any, ops: Any, who: str) -> tuple[Any, tuple[Any, ...]]:
