@@ -20,6 +20,8 @@ from ._diagnostics.gradflow import GradFlow as GradFlow
 from ._diagnostics.gradflow import grad_flow as grad_flow
 from ._diagnostics.gradflow import layer_grad_norms as layer_grad_norms
 from ._diagnostics.gradflow import plot_grad_flow as plot_grad_flow
+from ._diagnostics.logger import StatsLogger as StatsLogger
+from ._diagnostics.logger import read_events as read_events
 from ._diagnostics.stats import value_grad_and_stats as value_grad_and_stats
 from ._engine.adapters import StaleTraceWarning as StaleTraceWarning
 from ._engine.adapters import ensure_installed as _ensure_installed
@@ -77,6 +79,7 @@ __all__ = [
     "SelectorError",
     "Splice",
     "StaleTraceWarning",
+    "StatsLogger",
     "StoreReader",
     "Summary",
     "SummaryRow",
@@ -94,6 +97,7 @@ __all__ = [
     "open_store",
     "ops",
     "plot_grad_flow",
+    "read_events",
     "register_forward_hook",
     "register_forward_pre_hook",
     "register_full_backward_hook",
