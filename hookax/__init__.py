@@ -22,6 +22,8 @@ from ._diagnostics.gradflow import layer_grad_norms as layer_grad_norms
 from ._diagnostics.gradflow import plot_grad_flow as plot_grad_flow
 from ._diagnostics.logger import StatsLogger as StatsLogger
 from ._diagnostics.logger import read_events as read_events
+from ._diagnostics.nonfinite import Nonfinite as Nonfinite
+from ._diagnostics.nonfinite import find_nonfinite as find_nonfinite
 from ._diagnostics.stats import value_grad_and_stats as value_grad_and_stats
 from ._engine.adapters import StaleTraceWarning as StaleTraceWarning
 from ._engine.adapters import ensure_installed as _ensure_installed
@@ -71,6 +73,7 @@ __all__ = [
     "HookaxError",
     "Interceptor",
     "Memory",
+    "Nonfinite",
     "OpContext",
     "OpRow",
     "Ops",
@@ -85,6 +88,7 @@ __all__ = [
     "SummaryRow",
     "SummaryTotals",
     "capture",
+    "find_nonfinite",
     "grad_flow",
     "harvest",
     "hook_grad",

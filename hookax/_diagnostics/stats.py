@@ -248,13 +248,15 @@ def run(
     where: Any,
     has_aux: bool,
     marker: Any,
+    who: str = WHO,
 ) -> tuple[Any, Any, list[Any], list[Any]]:
     """``(value, grads, records, dummy gradients)``: the steps of :func:`hookax.value_and_grad`
-    with the statistics marker (records as ``_actgrad._discover`` gives them)."""
+    with the statistics marker (records as ``_actgrad._discover`` gives them); ``who`` names
+    the caller in errors."""
     nums_pos = _actgrad._positions(nums, argnums, args)
     mode = _actgrad._mode(fn, args, kwargs, nums_pos)
-    records, _ = _actgrad._discover(fn, where, (), mode, args, kwargs, WHO, marker)
-    inner = _actgrad._planted(fn, where, (), records, kwargs, WHO, marker)
+    records, _ = _actgrad._discover(fn, where, (), mode, args, kwargs, who, marker)
+    inner = _actgrad._planted(fn, where, (), records, kwargs, who, marker)
     zeros = _actgrad._zeros(records)
     value, g = _actgrad._differentiate(inner, mode, nums_pos, has_aux, args, zeros)
     grads = g[0] if not isinstance(argnums, tuple) else tuple(g[:-1])
