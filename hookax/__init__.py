@@ -25,6 +25,7 @@ from ._diagnostics.logger import read_events as read_events
 from ._diagnostics.nonfinite import Nonfinite as Nonfinite
 from ._diagnostics.nonfinite import find_nonfinite as find_nonfinite
 from ._diagnostics.stats import value_grad_and_stats as value_grad_and_stats
+from ._diagnostics.statsplot import plot_stats as plot_stats
 from ._engine.adapters import StaleTraceWarning as StaleTraceWarning
 from ._engine.adapters import ensure_installed as _ensure_installed
 from ._engine.adapters import key_linen_interceptors as key_linen_interceptors
@@ -101,6 +102,7 @@ __all__ = [
     "open_store",
     "ops",
     "plot_grad_flow",
+    "plot_stats",
     "read_events",
     "register_forward_hook",
     "register_forward_pre_hook",
