@@ -190,3 +190,21 @@ def test_errors(data: Any) -> None:
         hx.find_nonfinite(None, x)  # type: ignore[arg-type]
     with pytest.raises(hx.SelectorError, match="nothing/here"):
         hx.find_nonfinite(mse, MLP(nnx.Rngs(0)), x, y, where="nothing/here")
+
+
+def test_equinox_and_linen() -> None:
+    import equinox as eqx
+
+    from .test_conformance import X, _make
+
+    fw = _make("equinox")
+    poisoned = eqx.tree_at(
+        lambda m: m.layers[1].weight, fw.state, fw.state.layers[1].weight * jnp.inf
+    )
+    found = hx.find_nonfinite(fw.loss, poisoned, X)
+    assert found is not None and (found.phase, found.key) == ("forward", "layers/1")
+    fw = _make("linen")
+    params = jax.tree.map(lambda a: a, fw.state)
+    params["params"]["layers_0"]["bias"] = params["params"]["layers_0"]["bias"].at[0].set(jnp.nan)
+    found = hx.find_nonfinite(fw.loss, params, X)
+    assert found is not None and (found.key, found.before) == ("layers_0", None)

@@ -328,3 +328,20 @@ def test_sharded_batch_equals_unsharded(data: Any) -> None:
     _, _, stats = step(model, jax.device_put(x, rows), jax.device_put(y, rows))
     for a, b in zip(jax.tree.leaves(stats), jax.tree.leaves(ref)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", ["nnx", "linen", "equinox"])
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_every_framework(name: str, mode: str) -> None:
+    """Linen's parameter dicts and Equinox modules too, under each framework's own jit."""
+    from .test_conformance import X, _make
+
+    fw = _make(name)
+    step = hx.value_grad_and_stats(fw.loss, stats=ALL)
+    _, grads, stats = (step if mode == "eager" else fw.jit(step))(fw.state, X)
+    _, acts = hx.capture(fw.apply)(fw.state, X)
+    _, ref_grads, act_grads = hx.value_and_grad(fw.loss)(fw.state, X)
+    assert set(stats) == {"", *fw.keys}
+    assert_stats_match(stats, acts, act_grads, {})
+    assert_grads_equal(grads, ref_grads)
+    assert hx.find_nonfinite(fw.loss, fw.state, X) is None

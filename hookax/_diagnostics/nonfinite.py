@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .._capture import actgrad as _actgrad
 from .._capture import capture as _capture
 from .._util.errors import HookaxError
 from . import stats as _stats
@@ -161,13 +162,14 @@ def find_nonfinite(
     """Run one step and name the first call site whose output or gradient holds a NaN or Inf.
 
     ``hx.find_nonfinite(loss_fn, model, x, y)`` runs ``loss_fn(model, x, y)`` and its gradient
-    once, compiled (``jax.jit``), with every selected call site counting the non-finite values of
-    its output and of d loss / d (its output) in place (:func:`hookax.value_grad_and_stats`), and
-    returns the first non-zero count in execution order: the forward pass (call sites in the
-    order they finished, each layer of a scan in turn), then the backward pass (the reverse),
-    then the parameters' gradients. ``None`` when the loss, every output and every gradient are
-    finite. The arguments are not changed (a module's state updates, such as batch statistics
-    or random-number counters, stay inside the compiled copy).
+    once, compiled (``jax.jit``; ``eqx.filter_jit`` for Equinox), with every selected call site
+    counting the non-finite values of its output and of d loss / d (its output) in place
+    (:func:`hookax.value_grad_and_stats`), and returns the first non-zero count in execution
+    order: the forward pass (call sites in the order they finished, each layer of a scan in
+    turn), then the backward pass (the reverse), then the parameters' gradients. ``None`` when
+    the loss, every output and every gradient are finite. The arguments are not changed (a
+    module's state updates, such as batch statistics or random-number counters, stay inside the
+    compiled copy).
 
     A call site whose output does not reach the loss is seen in the forward pass only if the
     backward pass runs its rule, which JAX skips for it: select the loss's call sites.
@@ -213,7 +215,12 @@ def find_nonfinite(
         found[:] = records
         return (value[0] if has_aux else value), grads, g
 
-    loss, grads, counts = jax.device_get(jax.jit(step)(*args))
+    jit: Any = jax.jit
+    if _actgrad.framework_mode(loss_fn, args, {}) == "equinox":  # modules hold non-arrays
+        import equinox as eqx
+
+        jit = eqx.filter_jit
+    loss, grads, counts = jax.device_get(jit(step)(*args))
     sites = _sites(found, [np.asarray(c) for c in counts])
     return _first(sites, float(loss), grads)
 
