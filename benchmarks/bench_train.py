@@ -31,6 +31,8 @@ Run: ``python -m benchmarks train [--json PATH]``.
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,14 +42,14 @@ import optax
 from flax import nnx
 
 import hookax as hx
-from benchmarks._timing import interleaved, table
+from benchmarks._timing import table
 from hookax.examples import transformer as tfm
 
 LAYERS, D, BATCH = 12, 256, 64
 CFG = tfm.Config(vocab=256, d_model=64, n_heads=4, n_layers=LAYERS, d_ff=172, seq_len=32)
 T_BATCH = 16
 PERIOD = 10  # steps per timed call, in every configuration (the dispatch pipelines alike)
-ROUNDS = 15
+ROUNDS = {"mlp": 40, "transformer": 16}
 STATS = ("norm", "mean", "max_abs", "frac_zero", "nonfinite")
 
 
@@ -200,7 +202,30 @@ class Runner:
         jax.block_until_ready((self.state, loss, extra))
 
 
-def measure(name: str, model: Any, loss_fn: Any, where: Any, x: Any, y: Any) -> dict[str, float]:
+def paired(configs: dict[str, Callable[[], None]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each config in each round; every config runs once a round, in an order that
+    rotates from round to round (so no config always follows the same one)."""
+    names = list(configs)
+    for fn in configs.values():  # compile, warm every cache
+        fn()
+    samples: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names[r % len(names) :] + names[: r % len(names)]:
+            t0 = time.perf_counter()
+            configs[k]()
+            samples[k].append(time.perf_counter() - t0)
+    return samples
+
+
+def _ratio(a: list[float], b: list[float]) -> float:
+    """The median over rounds of ``a / b`` measured in the same round: a shared slow-down of the
+    machine (other processes on its cores) cancels out."""
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def measure(
+    name: str, model: Any, loss_fn: Any, where: Any, x: Any, y: Any, rounds: int
+) -> dict[str, float]:
     fns = steps(model, loss_fn, where)
     params = nnx.state(model)
     opt_state = optax.adam(1e-3).init(params)
@@ -210,16 +235,14 @@ def measure(name: str, model: Any, loss_fn: Any, where: Any, x: Any, y: Any) -> 
     }
     configs = {k: Runner(model, [fn] * PERIOD, x, y) for k, fn in fns.items()}
     configs["every10"] = Runner(model, [fns["stats"]] + [fns["plain"]] * (PERIOD - 1), x, y)
-    secs = interleaved(configs, rounds=ROUNDS, inner=1)
-    ms = {k: v * 1e3 / PERIOD for k, v in secs.items()}
-    rows = [
-        (k, f"{ms[k]:.3f}", f"{ms[k] / ms['plain']:.3f}x", f"{temp.get(k, temp['plain']):,}")
-        for k in ms
-    ]
+    samples = paired(configs, rounds)
+    ms = {k: statistics.median(v) * 1e3 / PERIOD for k, v in samples.items()}
+    ratio = {k: _ratio(samples[k], samples["plain"]) for k in samples}
+    rows = [(k, f"{ms[k]:.3f}", f"{ratio[k]:.3f}x", f"{temp.get(k, temp['plain']):,}") for k in ms]
     print(f"\n{name}")
     print(table(rows, ("step", "ms", "vs plain", "temp bytes")))
     print(
-        f"stats / hand_taps: {ms['stats'] / ms['hand_taps']:.3f}x; "
+        f"stats / hand_taps: {_ratio(samples['stats'], samples['hand_taps']):.3f}x; "
         f"temp memory over plain: stats {temp['stats'] - temp['plain']:+,} B, "
         f"hand taps {temp['hand_taps'] - temp['plain']:+,} B"
     )
@@ -231,9 +254,10 @@ def measure(name: str, model: Any, loss_fn: Any, where: Any, x: Any, y: Any) -> 
         "temp_bytes_plain": temp["plain"],
         "temp_bytes_stats": temp["stats"],
         "temp_bytes_hand_taps": temp["hand_taps"],
-        "stats_ratio": ms["stats"] / ms["plain"],
-        "every10_ratio": ms["every10"] / ms["plain"],
-        "stats_vs_hand_taps": ms["stats"] / ms["hand_taps"],
+        "stats_ratio": ratio["stats"],
+        "every10_ratio": ratio["every10"],
+        "hand_taps_ratio": ratio["hand_taps"],
+        "stats_vs_hand_taps": _ratio(samples["stats"], samples["hand_taps"]),
     }
     if "stats_all" in ms:
         out |= {"stats_all_ms": ms["stats_all"], "temp_bytes_stats_all": temp["stats_all"]}
@@ -241,14 +265,21 @@ def measure(name: str, model: Any, loss_fn: Any, where: Any, x: Any, y: Any) -> 
 
 
 def main() -> dict[str, dict[str, float]]:
-    print(f"{jax.devices()[0].device_kind}; median of {ROUNDS} interleaved rounds; statistics: ")
+    print(f"{jax.devices()[0].device_kind}; ms: medians of interleaved rounds of {PERIOD} steps;")
+    print("ratios: medians of the ratios measured in the same round; statistics:")
     print(f"  {', '.join(STATS)} of each layer's output and of its gradient")
     keys = jax.random.split(jax.random.key(0), 4)
     x = jax.random.normal(keys[0], (BATCH, D))
     y = jax.random.randint(keys[1], (BATCH,), 0, 10)
     results = {
         "mlp": measure(
-            "mlp: 12 x Linear(256)+relu, batch 64", MLP(nnx.Rngs(0)), mlp_loss, "layers/*", x, y
+            "mlp: 12 x Linear(256)+relu, batch 64",
+            MLP(nnx.Rngs(0)),
+            mlp_loss,
+            "layers/*",
+            x,
+            y,
+            ROUNDS["mlp"],
         )
     }
     tokens = jax.random.randint(keys[2], (T_BATCH, CFG.seq_len + 1), 0, CFG.vocab)
@@ -259,6 +290,7 @@ def main() -> dict[str, dict[str, float]]:
         "blocks",
         tokens[:, :-1],
         tokens[:, 1:],
+        ROUNDS["transformer"],
     )
     return results
 
