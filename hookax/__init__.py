@@ -26,6 +26,8 @@ from ._diagnostics.nonfinite import Nonfinite as Nonfinite
 from ._diagnostics.nonfinite import find_nonfinite as find_nonfinite
 from ._diagnostics.stats import value_grad_and_stats as value_grad_and_stats
 from ._diagnostics.statsplot import plot_stats as plot_stats
+from ._diagnostics.statsview import SiteStats as SiteStats
+from ._diagnostics.statsview import Stats as Stats
 from ._engine.adapters import StaleTraceWarning as StaleTraceWarning
 from ._engine.adapters import ensure_installed as _ensure_installed
 from ._engine.adapters import key_linen_interceptors as key_linen_interceptors
@@ -81,8 +83,10 @@ __all__ = [
     "Select",
     "Selector",
     "SelectorError",
+    "SiteStats",
     "Splice",
     "StaleTraceWarning",
+    "Stats",
     "StatsLogger",
     "StoreReader",
     "Summary",

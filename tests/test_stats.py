@@ -345,3 +345,24 @@ def test_every_framework(name: str, mode: str) -> None:
     assert_stats_match(stats, acts, act_grads, {})
     assert_grads_equal(grads, ref_grads)
     assert hx.find_nonfinite(fw.loss, fw.state, X) is None
+
+
+def test_one_buffer_leaves_the_step_keys_in_call_order(data: Any) -> None:
+    """Every statistic lives in one array (one output buffer of the jitted step); the keys are
+    in the order the call sites finished, also under jit (no dict key sorting)."""
+    x, y = data
+    model = MLP(nnx.Rngs(0))
+    _, _, stats = jax.jit(hx.value_grad_and_stats(mse))(model, x, y)
+    assert isinstance(stats, hx.Stats) and len(jax.tree.leaves(stats)) == 1
+    order = ["layers/0/lin", "layers/0", "layers/1/lin", "layers/1", "layers/2/lin", "layers/2"]
+    assert list(stats) == [*order, "head", ""]
+    assert stats.array.shape == (8 * 2 * 5,)
+    plain = stats.to_dict()
+    assert list(plain["head"]) == ["act", "grad"]
+    assert list(plain["head"]["act"]) == ["norm", "mean", "max_abs", "frac_zero", "nonfinite"]
+    np.testing.assert_array_equal(plain["head"]["grad"]["norm"], stats["head"].array[1, 0])
+    with pytest.raises(KeyError):
+        stats["nope"]
+    with pytest.raises(KeyError):
+        stats["head"]["weights"]
+    assert repr(stats).startswith("Stats(keys=['layers/0/lin', ")

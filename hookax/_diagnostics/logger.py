@@ -25,7 +25,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -49,8 +49,10 @@ def _index(shape: tuple[int, ...]) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield "".join(f"[{i}]" for i in idx), idx
 
 
-def as_dict(stats: dict[str, Any] | None = None, **scalars: Any) -> dict[str, float]:
+def as_dict(stats: Mapping[str, Any] | None = None, **scalars: Any) -> dict[str, float]:
     """``stats`` of :func:`hookax.value_grad_and_stats` (and named scalars) as ``{tag: float}``.
+
+    ``stats`` is an :class:`hookax.Stats` or any ``{key: {kind: {stat: value}}}`` mapping.
 
     A statistic with leading axes (one value per layer of a scanned stack, per call, per
     example) gives one tag per element: ``"act_norm/blocks/lin[3]"``. Values are fetched from the
@@ -63,7 +65,7 @@ def as_dict(stats: dict[str, Any] | None = None, **scalars: Any) -> dict[str, fl
     """
     import jax
 
-    stats, scalars = jax.device_get((stats or {}, scalars))
+    stats, scalars = jax.device_get((stats or {}, scalars))  # one transfer, then numpy slices
     out: dict[str, float] = {}
     for key, kinds in stats.items():
         for kind, values in kinds.items():

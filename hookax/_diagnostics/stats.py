@@ -1,9 +1,10 @@
 """Per-call-site statistics of outputs and their gradients, reduced inside a jitted train step.
 
 ``loss, grads, stats = hx.value_grad_and_stats(loss_fn)(model, x, y)``: beside the loss and the
-parameter gradients, a small pytree ``{key: {"act": {name: value}, "grad": {name: value}}}`` of
-statistics of each selected call site's output and of d loss / d (that output). Nothing
-activation-sized leaves the step, and nothing activation-sized is kept for it.
+parameter gradients, statistics of each selected call site's output and of d loss / d (that
+output), read as ``stats[key]["grad"]["norm"]`` (:class:`hookax.Stats`: one small array, so one
+buffer leaves the step). Nothing activation-sized leaves the step, and nothing activation-sized
+is kept for it.
 
 How (the best hand-written method measured, ``DESIGN.md`` point 19): each selected call site's
 output passes through an identity with a custom derivative, :func:`_tap`, that also takes a small
@@ -32,6 +33,7 @@ from .._capture import actgrad as _actgrad
 from .._capture import capture as _capture
 from .._transforms import tags as _tags
 from .._util.errors import HookaxError
+from .statsview import Stats
 
 __all__ = ["DEFAULT_STATS", "STATS", "StatsMarker", "layer_axes", "value_grad_and_stats"]
 
@@ -175,7 +177,7 @@ def value_grad_and_stats(
     where: Any = None,
     stats: Any = DEFAULT_STATS,
     has_aux: bool = False,
-) -> Callable[..., tuple[Any, Any, dict[str, dict[str, dict[str, Any]]]]]:
+) -> Callable[..., tuple[Any, Any, Stats]]:
     """Like ``value_and_grad``, plus statistics of each selected call site's output and gradient.
 
     ``loss, grads, stats = hx.value_grad_and_stats(loss_fn)(model, x, y)``. ``loss`` and
@@ -186,7 +188,9 @@ def value_grad_and_stats(
     inside a scan over layers (leading axis), per example inside a ``vmap`` in the model. A call
     site called several times gets its calls stacked on a new leading axis. The statistics of a
     call site's floating outputs are taken over all of them together (integer outputs are left
-    out; a call site with none has no entry).
+    out; a call site with none has no entry). ``stats`` is an :class:`hx.Stats`, a mapping from
+    key (in the order the call sites finished) whose values all live in one array, so the step
+    returns one buffer for them (``stats.to_dict()``: plain dicts).
 
     Statistics (``stats=``): ``"norm"`` (2-norm), ``"rms"``, ``"mean"``, ``"std"``,
     ``"max_abs"``, ``"frac_zero"`` (fraction of exact zeros), ``"nonfinite"`` (count of NaN and
@@ -232,7 +236,7 @@ def value_grad_and_stats(
     marker = functools.partial(StatsMarker, names=names)
 
     @functools.wraps(fn)
-    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, dict[str, Any]]:
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, Stats]:
         value, grads, records, g = run(fn, args, kwargs, nums, argnums, where, has_aux, marker)
         return value, grads, layout(records, g, names)
 
@@ -263,16 +267,13 @@ def run(
     return value, grads, records, [leaves[0] for leaves in g[-1]]
 
 
-def layout(
-    records: list[Any], g: list[Any], names: tuple[str, ...]
-) -> dict[str, dict[str, dict[str, Any]]]:
-    """``{key: {"act": {name: value}, "grad": {name: value}}}`` from the dummies' gradients, keys
-    in the order their first call ended; several calls stacked on a new leading axis."""
+def layout(records: list[Any], g: list[Any], names: tuple[str, ...]) -> Stats:
+    """:class:`Stats` from the dummies' gradients, keys in the order their first call ended;
+    several calls of one call site stacked on a new leading axis."""
     per_key: dict[str, list[Any]] = {}
     for (key, *_), v in zip(records, g):
         per_key.setdefault(key, []).append(v)
-    out: dict[str, dict[str, dict[str, Any]]] = {}
-    n = len(names)
+    blocks, lead = [], []
     for key, values in per_key.items():
         if len(values) > 1 and len({v.shape for v in values}) > 1:
             raise HookaxError(
@@ -282,8 +283,8 @@ def layout(
                 f"where=, or measure one of them."
             )
         v = values[0] if len(values) == 1 else jnp.stack(values)
-        out[key] = {
-            "act": {name: v[..., i] for i, name in enumerate(names)},
-            "grad": {name: v[..., n + i] for i, name in enumerate(names)},
-        }
-    return out
+        # (..., 2n) as (..., 2, n): act then grad; flattened into the one array of the step
+        lead.append((key, tuple(v.shape[:-1])))
+        blocks.append(v.reshape(-1))
+    flat = jnp.concatenate(blocks) if blocks else jnp.zeros((0,), jnp.float32)
+    return Stats(flat, tuple(lead), names)
