@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -48,8 +49,14 @@ def _count(xs: tuple[Any, ...]) -> int:
     return sum(int(x.size) for x in xs)
 
 
+def _total(parts: list[Any]) -> Any:
+    """``parts[0] + parts[1] + ...`` (not Python's ``sum``: its ``0 + x`` is an operation XLA
+    keeps, since ``-0.0 + 0`` is not ``-0.0``, and it stops the reduction fusing with its user)."""
+    return functools.reduce(operator.add, parts)
+
+
 def _norm(xs: tuple[Any, ...]) -> Any:
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x)) for x in _f32(xs)))
+    return jnp.sqrt(_total([jnp.sum(jnp.square(x)) for x in _f32(xs)]))
 
 
 def _rms(xs: tuple[Any, ...]) -> Any:
@@ -57,7 +64,7 @@ def _rms(xs: tuple[Any, ...]) -> Any:
 
 
 def _mean(xs: tuple[Any, ...]) -> Any:
-    return sum(jnp.sum(x) for x in _f32(xs)) / jnp.float32(max(_count(xs), 1))
+    return _total([jnp.sum(x) for x in _f32(xs)]) / jnp.float32(max(_count(xs), 1))
 
 
 def _std(xs: tuple[Any, ...]) -> Any:
@@ -67,20 +74,22 @@ def _std(xs: tuple[Any, ...]) -> Any:
     n = jnp.float32(max(_count(xs), 1))
     m = _mean(xs)
     parts = [x.size * (jnp.var(x) + jnp.square(jnp.mean(x) - m)) for x in _f32(xs)]
-    return jnp.sqrt(sum(parts) / n)
+    return jnp.sqrt(_total(parts) / n)
 
 
 def _max_abs(xs: tuple[Any, ...]) -> Any:
-    return functools.reduce(jnp.maximum, [jnp.max(jnp.abs(x), initial=0.0) for x in _f32(xs)])
+    # initial= only for an empty array: it is one more operation after the reduction
+    tops = [jnp.max(jnp.abs(x), initial=0.0 if x.size == 0 else None) for x in _f32(xs)]
+    return functools.reduce(jnp.maximum, tops)
 
 
 def _frac_zero(xs: tuple[Any, ...]) -> Any:
-    zeros = sum(jnp.sum(x == 0, dtype=jnp.float32) for x in xs)
+    zeros = _total([jnp.sum(x == 0, dtype=jnp.float32) for x in xs])
     return zeros / jnp.float32(max(_count(xs), 1))
 
 
 def _nonfinite(xs: tuple[Any, ...]) -> Any:
-    return sum(jnp.sum(~jnp.isfinite(x), dtype=jnp.float32) for x in xs)
+    return _total([jnp.sum(~jnp.isfinite(x), dtype=jnp.float32) for x in xs])
 
 
 # name -> reduction of a tuple of floating arrays to a float32 scalar
