@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -366,3 +367,50 @@ def test_one_buffer_leaves_the_step_keys_in_call_order(data: Any) -> None:
     with pytest.raises(KeyError):
         stats["head"]["weights"]
     assert repr(stats).startswith("Stats(keys=['layers/0/lin', ")
+
+
+@jax.custom_vjp
+def hand_tap(x: jax.Array, dummy: jax.Array) -> jax.Array:
+    return x
+
+
+def _hand_reduce(x: jax.Array) -> jax.Array:
+    return jnp.stack(
+        [
+            jnp.sqrt(jnp.sum(x * x)),
+            jnp.mean(x),
+            jnp.max(jnp.abs(x)),
+            jnp.mean((x == 0).astype(jnp.float32)),
+            jnp.sum((~jnp.isfinite(x)).astype(jnp.float32)),
+        ]
+    )
+
+
+hand_tap.defvjp(
+    lambda x, d: (x, _hand_reduce(x)),
+    lambda fwd, ct: (ct, jnp.concatenate([fwd, _hand_reduce(ct)])),
+)
+
+
+def test_compiled_step_has_no_more_kernels_than_hand_written_taps(data: Any) -> None:
+    """The same program as the hand-written method (DESIGN.md point 19: a custom_vjp identity
+    per layer, dummies threaded by hand), counted in kernels of the compiled step."""
+    x, y = data
+    model = MLP(nnx.Rngs(0))
+
+    def hand_loss(model: MLP, dummies: jax.Array, x: jax.Array, y: jax.Array) -> jax.Array:
+        h = x
+        for i, layer in enumerate(model.layers):
+            h = hand_tap(layer(h), dummies[i])
+        return jnp.mean((model.head(h) - y) ** 2)
+
+    def kernels(fn: Any, *args: Any) -> int:
+        hlo = jax.jit(fn).lower(*args).compile().as_text()
+        entry = hlo[hlo.index("ENTRY") :]
+        return len(re.findall(r" (?:fusion|concatenate|reduce)\(", entry))
+
+    dummies = jnp.zeros((3, 10))
+    hand = kernels(nnx.value_and_grad(hand_loss, argnums=(0, 1)), model, dummies, x, y)
+    ours = kernels(hx.value_grad_and_stats(mse, where="layers/*"), model, x, y)
+    plain = kernels(nnx.value_and_grad(mse), model, x, y)
+    assert plain < ours <= hand
