@@ -55,8 +55,10 @@ test-slow: $(VENV)/.installed-dev
 test-wheel: $(VENV)/.installed-dev
 	$(BIN)/nox -s wheel
 
+# The site, strict (any warning fails) and not quiet, so a warning is seen where it fails;
+# tests/test_docs_site.py checks what the pages hold (code blocks, links, images).
 docs: $(VENV)/.installed-dev
-	$(BIN)/mkdocs build --strict -q
+	$(BIN)/mkdocs build --strict
 
 bench: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks

@@ -14,11 +14,13 @@ def interleaved(
     rounds: int,
     inner: dict[str, int] | int,
     around: dict[str, Callable[[], contextlib.AbstractContextManager]] | None = None,
+    stat: Callable[[list[float]], float] = statistics.median,
 ) -> dict[str, float]:
     """Median seconds per call of each config, measured round-robin over ``rounds`` rounds.
 
     ``around[name]()`` gives a context entered around each of that config's rounds (set-up that
-    must not be timed per call).
+    must not be timed per call). ``stat=min`` gives the fastest round instead of the median
+    (steadier on a shared machine, where other work only ever adds time).
     """
     around = around or {}
     samples: dict[str, list[float]] = {name: [] for name in configs}
@@ -33,7 +35,7 @@ def interleaved(
                 for _ in range(n):
                     fn()
                 samples[name].append((time.perf_counter() - t0) / n)
-    return {name: statistics.median(s) for name, s in samples.items()}
+    return {name: stat(s) for name, s in samples.items()}
 
 
 def best_of(fn: Callable[[], object], n: int) -> float:

@@ -2,10 +2,17 @@
 
 The public API is the names in ``__all__``; everything else lives in private modules.
 
->>> import hookax as hx
->>> hx.__version__ != ""
-True
+Examples:
+  >>> import hookax as hx
+  >>> hx.__version__ != ""
+  True
 """
+
+# First, before JAX loads: in the `hookax` command, Ctrl-C is one line and exit 130, never a crash
+from ._cli import interrupt as _interrupt
+
+if _interrupt.running_as_command():
+    _interrupt.install()
 
 from importlib import metadata as _metadata
 
@@ -28,6 +35,8 @@ from ._diagnostics.stats import value_grad_and_stats as value_grad_and_stats
 from ._diagnostics.statsplot import plot_stats as plot_stats
 from ._diagnostics.statsview import SiteStats as SiteStats
 from ._diagnostics.statsview import Stats as Stats
+from ._diagnostics.values import Values as Values
+from ._diagnostics.values import show as show
 from ._engine.adapters import StaleTraceWarning as StaleTraceWarning
 from ._engine.adapters import ensure_installed as _ensure_installed
 from ._engine.adapters import key_linen_interceptors as key_linen_interceptors
@@ -42,6 +51,7 @@ from ._harvest.splice import Splice as Splice
 from ._harvest.splice import splice_eval as splice_eval
 from ._harvest.tokens import token_batches as token_batches
 from ._hooks import hookrun as _hookrun  # noqa: F401 (fills the dispatcher's hooks slot)
+from ._hooks import layergate as _layergate  # noqa: F401 (one layer of a scan: the gate)
 from ._hooks.grad import hook_grad as hook_grad
 from ._hooks.hooks import HookHandle as HookHandle
 from ._hooks.hooks import hooks as hooks
@@ -52,6 +62,13 @@ from ._hooks.hooks import register_full_backward_pre_hook as register_full_backw
 from ._hooks.hooks import remove_hooks as remove_hooks
 from ._hooks.intercept import Interceptor as Interceptor
 from ._hooks.intercept import intercept as intercept
+from ._patching.attribution import attribution_patch as attribution_patch
+from ._patching.cache import logit_lens as logit_lens
+from ._patching.cache import split_heads as split_heads
+from ._patching.cache import stack_layers as stack_layers
+from ._patching.grid import patch_grid as patch_grid
+from ._patching.patch import PatchError as PatchError
+from ._patching.patch import patching as patching
 from ._summary.summary import Memory as Memory
 from ._summary.summary import Summary as Summary
 from ._summary.summary import SummaryRow as SummaryRow
@@ -61,6 +78,7 @@ from ._transforms.optrace import OpContext as OpContext
 from ._util.errors import HookaxError as HookaxError
 from ._util.errors import HookError as HookError
 from ._util.errors import SelectorError as SelectorError
+from ._util.errors import StoreError as StoreError
 
 try:
     __version__ = _metadata.version("hookax")
@@ -80,6 +98,7 @@ __all__ = [
     "OpContext",
     "OpRow",
     "Ops",
+    "PatchError",
     "Select",
     "Selector",
     "SelectorError",
@@ -88,10 +107,13 @@ __all__ = [
     "StaleTraceWarning",
     "Stats",
     "StatsLogger",
+    "StoreError",
     "StoreReader",
     "Summary",
     "SummaryRow",
     "SummaryTotals",
+    "Values",
+    "attribution_patch",
     "capture",
     "find_nonfinite",
     "grad_flow",
@@ -102,9 +124,12 @@ __all__ = [
     "intercept_op",
     "key_linen_interceptors",
     "layer_grad_norms",
+    "logit_lens",
     "named_scopes",
     "open_store",
     "ops",
+    "patch_grid",
+    "patching",
     "plot_grad_flow",
     "plot_stats",
     "read_events",
@@ -113,7 +138,10 @@ __all__ = [
     "register_full_backward_hook",
     "register_full_backward_pre_hook",
     "remove_hooks",
+    "show",
     "splice_eval",
+    "split_heads",
+    "stack_layers",
     "summary",
     "token_batches",
     "value_and_grad",

@@ -20,6 +20,14 @@ class TraceCounter:
         self.n += 1
 
 
+@pytest.fixture(autouse=True)
+def _natural_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tables at their natural width, as when piped: pytest-xdist's workers set COLUMNS=80
+    (tests of the width set it themselves)."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    monkeypatch.delenv("LINES", raising=False)
+
+
 @pytest.fixture
 def traces() -> TraceCounter:
     return TraceCounter()
@@ -30,6 +38,13 @@ def traces() -> TraceCounter:
 # pages are doctests and cannot carry a decorator.
 SLOW = (
     "docs/attention.md::",
+    "docs/patching.md::",
+    "docs/sae.md::",
+    "docs/param_noise.md::",
+    "docs/gradients.md::",
+    "docs/gradcam.md::",
+    "tests/test_sae.py::test_cli_harvest_tokens",
+    "tests/test_harvest_safety.py::test_cli_overwrite_of_user_folders_and_dot",
     "tests/test_ops.py::test_scanned_decoder_probabilities_edits_and_gradients",
     "tests/test_ops.py::test_gradients_of_operations_equal_finite_differences",
     "tests/test_transforms.py::test_no_tracer_leaks",

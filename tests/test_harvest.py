@@ -191,9 +191,10 @@ def test_failing_writer_leaves_a_valid_store(tmp_path, monkeypatch, overlap, chu
 
     monkeypatch.setattr(module, attr, full_disk)
     with pytest.raises(
-        hx.HookaxError,
-        match=r"writing batch 2 .* No space left on device.*The store is valid: it holds the 2 "
-        r"batches.*resumes at batch 2",
+        hx.StoreError,
+        match=r"cannot write the store '.*' at batch 2: the disk is full \[OSError: \[Errno 28\] "
+        r"No space left on device\]\. The 2 batches committed before are kept\. Fix: free disk "
+        r"space, then run again with the same arguments: it resumes at batch 2\.$",
     ):
         hx.harvest(model, data, where="layers/*", store=tmp_path / "s", overlap=overlap)
     stored = read(tmp_path / "s", "layers/2")

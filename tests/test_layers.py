@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hookax"
 
 # Lowest first: each of these may import the ones before it.
 STACK = ["_util", "_engine", "_transforms", "_hooks", "frameworks", "_capture"]
-FEATURES = ["_summary", "_harvest"]  # side by side: neither imports the other
+FEATURES = ["_summary", "_harvest", "_patching"]  # side by side: none imports another
 # A part may import itself and the parts listed for it, nothing else of hookax.
 LAYERS: dict[str, set[str]] = {part: set(STACK[:i]) for i, part in enumerate(STACK)}
 LAYERS |= {part: set(STACK) for part in FEATURES}

@@ -208,3 +208,14 @@ def test_equinox_and_linen() -> None:
     params["params"]["layers_0"]["bias"] = params["params"]["layers_0"]["bias"].at[0].set(jnp.nan)
     found = hx.find_nonfinite(fw.loss, params, X)
     assert found is not None and (found.key, found.before) == ("layers_0", None)
+
+
+def test_one_layer_selection(data: Any) -> None:
+    x, y = data
+    model = Stack(n=4)
+    model.blocks.lin.kernel[1, 0, 0] = jnp.nan
+    # layer 0 is finite: the NaN is outside what is selected
+    found = hx.find_nonfinite(mse, model, x, y, where="blocks/lin[0]")
+    assert found is not None and (found.phase, found.before) == ("loss", "blocks/lin[0]")
+    found = hx.find_nonfinite(mse, model, x, y, where="blocks/lin[2]")
+    assert found is not None and (found.key, found.layer) == ("blocks/lin", 2)

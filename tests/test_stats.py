@@ -414,3 +414,22 @@ def test_compiled_step_has_no_more_kernels_than_hand_written_taps(data: Any) -> 
     ours = kernels(hx.value_grad_and_stats(mse, where="layers/*"), model, x, y)
     plain = kernels(nnx.value_and_grad(mse), model, x, y)
     assert plain < ours <= hand
+
+
+@pytest.mark.parametrize("mode", ["eager", "jax.jit"])
+def test_one_layer_selection(mode: str, data: Any) -> None:
+    """``where="blocks/lin[1]"``: the statistics of that layer only, under its own key."""
+    x, y = data
+    model = Stack(n=3)
+    step = JIT[mode](lambda m, x, y: hx.value_grad_and_stats(mse, where="blocks/lin[1]")(m, x, y))
+    _, _, stats = step(model, x, y)
+    assert list(stats) == ["blocks/lin[1]"]
+    _, acts = hx.capture(model, where="blocks/lin")(x)
+    _, _, act_grads = hx.value_and_grad(mse, where="blocks/lin")(model, x, y)
+    want_act = numpy_stats(acts["blocks/lin"][0][1])
+    want_grad = numpy_stats(act_grads["blocks/lin"][0][1])
+    np.testing.assert_allclose(stats["blocks/lin[1]"]["act"]["norm"], want_act["norm"], rtol=2e-5)
+    np.testing.assert_allclose(stats["blocks/lin[1]"]["grad"]["norm"], want_grad["norm"], rtol=2e-5)
+    np.testing.assert_allclose(
+        stats["blocks/lin[1]"]["grad"]["max_abs"], want_grad["max_abs"], rtol=2e-5
+    )

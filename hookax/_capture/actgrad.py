@@ -86,8 +86,9 @@ def _discover(
     who: str = WHO,
     marker: Any = _capture._Marker,
 ) -> tuple[list[Any], list[str]]:
-    """The records a capture of ``fn(*args)`` makes, as ``(key, spec, avals, axes)`` (axes: the
-    transforms each value left, :class:`hookax._transforms.tags.Record`), abstractly; and
+    """The records a capture of ``fn(*args)`` makes, as ``(key, spec, avals, (axes, layered))``
+    (axes: the transforms each value left, :class:`hookax._transforms.tags.Record`; layered: the
+    session's one-layer selections, :func:`hookax._capture.capture.layer_split`), abstractly; and
     the keys in the order their first call started (the order ``hx.capture`` gives). ``who`` and
     ``marker``: the caller's name and its session marker (:func:`hookax._capture.capture.session`).
     """
@@ -97,12 +98,15 @@ def _discover(
     def probe(*a: Any, **k: Any) -> Any:
         s = _capture.session(who, where, fn, a, k, ops=ops, marker=marker)
         s.run(fn, *a, **k)
-        found[:] = [(r.key, r.spec, r.axes) for r in s.session.records]
+        layered = s.session.layered
+        found[:] = [(r.key, r.spec, (r.axes, layered)) for r in s.session.records]
         order[:] = list(_capture.collect(s.session))
         return [r.values for r in s.session.records]
 
     shapes = eval_shape(probe, mode, args, kwargs)
-    return [(key, spec, avals, axes) for (key, spec, axes), avals in zip(found, shapes)], order
+    return [
+        (key, spec, avals, how) for (key, spec, how), avals in zip(found, shapes, strict=True)
+    ], order
 
 
 def eval_shape(probe: Callable[..., Any], mode: Any, args: tuple, kwargs: dict) -> Any:
@@ -155,15 +159,15 @@ def value_and_grad(
     edits: costs at most what NNX's ``perturb`` costs, in time and memory
     (``benchmarks/bench_capture.py``).
 
-    Works wherever :func:`hookax.capture` does, and the gradients are laid out like its values:
-    inside ``nnx.scan``/``lax.scan`` stacked on the scan axis, inside ``vmap`` with the batch
-    axis in front, inside ``jax.jit`` with the model as an argument; the active selection is part
-    of the jit cache key. Call sites whose derivative JAX cannot give (inside ``while_loop``, a
+    Works wherever [`hx.capture`][hookax.capture] does, and the gradients are laid out like its
+    values: inside ``nnx.scan``/``lax.scan`` stacked on the scan axis, inside ``vmap`` with the
+    batch axis in front, inside ``jax.jit`` with the model as an argument; the active selection is
+    part of the jit cache key. Call sites whose derivative JAX cannot give (inside ``while_loop``, a
     ``custom_jvp``/``custom_vjp`` function, or a ``shard_map`` body) raise
-    :class:`hx.HookaxError` naming the call site; exclude them with ``where=``.
+    [`hx.HookaxError`][hookax.HookaxError] naming the call site; exclude them with ``where=``.
 
     ``ops=`` adds gradients with respect to operations inside call sites
-    (``act_grads["layers/0/attn:softmax"]``), addressed as :func:`hx.ops` lists them. An
+    (``act_grads["layers/0/attn:softmax"]``), addressed as [`hx.ops`][hookax.ops] lists them. An
     operation inside a ``custom_jvp``/``custom_vjp`` function has no gradient of its own (JAX
     differentiates the function by its rule): address the function instead.
 
@@ -179,15 +183,16 @@ def value_and_grad(
       A function of ``fn``'s arguments returning ``(loss, grads, act_grads)``, or
       ``((loss, aux), grads, act_grads)`` with ``has_aux=True``.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    >>> def loss_fn(model, x):
-    ...     return jnp.sum(model(x) ** 2)
-    >>> loss, grads, act_grads = hx.value_and_grad(loss_fn)(model, jnp.ones((3, 2)))
-    >>> bool(jnp.allclose(act_grads[""][0], 2 * model(jnp.ones((3, 2)))))
-    True
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> def loss_fn(model, x):
+      ...     return jnp.sum(model(x) ** 2)
+      >>> loss, grads, act_grads = hx.value_and_grad(loss_fn)(model, jnp.ones((3, 2)))
+      >>> bool(jnp.allclose(act_grads[""][0], 2 * model(jnp.ones((3, 2)))))
+      True
     """
     if not callable(fn):
         raise HookaxError(
@@ -286,6 +291,8 @@ def _differentiate(
 def _act_grads(records: list[Any], order: list[str], g: Any) -> dict[str, tuple[Any, ...]]:
     """The perturbations' gradients by call-site key, one entry per call, in call order."""
     act_grads: dict[str, list[Any]] = {k: [] for k in order}
-    for (key, spec, _, _), leaves in zip(records, g):
-        act_grads.setdefault(key, []).append(_tags.unwrap(spec.rebuild(list(leaves))))
+    for (key, spec, _, (axes, layered)), leaves in zip(records, g):
+        tree = _tags.unwrap(spec.rebuild(list(leaves)))
+        for k, v in _capture.layer_split(key, tree, axes, layered):
+            act_grads.setdefault(k, []).append(v)
     return {k: tuple(v) for k, v in act_grads.items()}

@@ -16,6 +16,9 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
+import numpy as np
+
 from .._engine.select import (
     ALL_METHODS,
     CALL_ONLY,
@@ -25,9 +28,11 @@ from .._engine.select import (
     resolve_instances,
 )
 from .._hooks import intercept as _intercept
+from .._hooks import layergate as _layergate
 from .._transforms import tagrules as _tagrules
 from .._transforms import tags as _tags
 from .._util.errors import HookaxError
+from . import jitted as _jitted
 from . import ops as _ops
 
 __all__ = ["capture", "session"]
@@ -43,6 +48,9 @@ class _Marker:
 
     sid: int
     selector: Any
+    # The dispatcher runs recorders outside every interceptor: a capture records what the
+    # caller received, whether the intercept block is inside or around the captured function.
+    records_output = True
 
     def __call__(self, next_fun: Callable[..., Any], args: tuple, kwargs: dict, ctx: Any) -> Any:
         live = _tags.live_session(self.sid)
@@ -50,19 +58,28 @@ class _Marker:
             live.seen.add((ctx.key, ctx.path_str))
         if not self.selector.matches(ctx):
             return next_fun(*args, **kwargs)
+        key = ctx.key
+        if self.selector.has_layers():
+            layers = self.selector.layers(ctx)
+            if layers is not None:
+                _layergate.check_in_scan(ctx._frame, layers)
+                key = f"{ctx.key}[{','.join(map(str, sorted(layers)))}]"
+                if live is not None:
+                    live.layered[key] = (ctx.key, tuple(sorted(layers)), "")
         if live is not None:
             live.matched = True
-            live.starts.setdefault(ctx.key)
+            live.starts.setdefault(key)
             _check_collision(live, ctx)
-        return self.tag(next_fun(*args, **kwargs), ctx)
+        return self.tag(next_fun(*args, **kwargs), key)
 
-    def tag(self, out: Any, ctx: Any) -> Any:
-        """Mark what this session carries for a selected call site; return what its caller gets.
+    def tag(self, out: Any, key: str) -> Any:
+        """Mark what this session carries for a selected call site (``key``: its key, with the
+        layers of a one-layer selection); return what its caller gets.
 
         Here the output itself; a subclass may mark something derived from it (the
         statistics taps of :mod:`hookax._diagnostics.stats` mark a small dummy instead).
         """
-        return _tags.mark(out, self.sid, ctx.key)
+        return _tags.mark(out, self.sid, key)
 
 
 _EVERY_CALL_SITE = as_selector(None, ALL_METHODS)
@@ -132,6 +149,41 @@ class _Session:
         return out
 
 
+def check_steps(who: str, bound: int, steps: dict[str, tuple[Any, ...]]) -> None:
+    """Raise when a ``while`` loop ran more iterations than ``while_steps`` keeps, where the
+    counts are known (eagerly, or around a jitted function); under jit they are not, and the
+    rows past the bound are dropped."""
+    for key, counts in steps.items():
+        for count in counts:
+            if isinstance(count, jax.core.Tracer) or not np.size(count):
+                continue
+            ran = int(np.max(count))
+            if ran > bound:
+                raise HookaxError(
+                    f"{who}(while_steps={bound}): the jax.lax.while_loop holding {key!r} ran "
+                    f"{ran} iterations; only the first {bound} were kept. Fix: "
+                    f"{who}(..., while_steps={ran}) or more (the loop's largest number of "
+                    f"iterations)."
+                )
+
+
+def validate_while_steps(while_steps: Any, who: str) -> int | None:
+    """``while_steps=`` checked: None, or a positive int."""
+    if while_steps is None:
+        return None
+    if isinstance(while_steps, bool) or not isinstance(while_steps, int | np.integer):
+        raise HookaxError(
+            f"{who}: while_steps must be a positive int (the most iterations of a "
+            f"jax.lax.while_loop to keep), got {while_steps!r}. Fix: while_steps=64."
+        )
+    if while_steps < 1:
+        raise HookaxError(
+            f"{who}: while_steps must be at least 1, got {while_steps}. Fix: leave it out to "
+            f"keep the last iteration only, or while_steps=64 to keep up to 64."
+        )
+    return int(while_steps)
+
+
 class _NoSites:
     """``where=`` left out next to ``ops=``: no call site's output, only the operations."""
 
@@ -156,16 +208,20 @@ def session(
     mode: str = "reap",
     probes: Any = None,
     ops: tuple[Any, ...] = (),
+    while_steps: int | None = None,
     marker: Callable[[int, Any], _Marker] = _Marker,
 ) -> _Session:
     """A session for ``who`` (``"hx.capture"``, ``"hx.value_and_grad"``) over ``fn(*args)``;
-    ``ops`` are parsed ``ops=`` patterns, and ``where`` may be :data:`_NO_SITES`. ``marker``
-    makes the interceptor from ``(sid, selector)``: a value-comparable :class:`_Marker`."""
+    ``ops`` are parsed ``ops=`` patterns, and ``where`` may be :data:`_NO_SITES`;
+    ``while_steps``: the rows each ``while`` loop stacks its iterations into (None: last only);
+    ``marker`` makes the interceptor from ``(sid, selector)``: a value-comparable
+    :class:`_Marker`."""
     if where is _NO_SITES:
         selector: Any = _NONE_SELECTED
     else:
         selector = as_selector(resolve_instances(where, (fn, args, kwargs)), CALL_ONLY)
-    return _Session(_tags.Session(next_sid(), who, mode, probes), selector, where, ops, marker)
+    inner = _tags.Session(next_sid(), who, mode, probes, while_steps)
+    return _Session(inner, selector, where, ops, marker)
 
 
 def where_and_ops(where: Any, ops: Any, who: str) -> tuple[Any, tuple[Any, ...]]:
@@ -189,15 +245,88 @@ _DEFAULT: Any = _Default()
 
 def collect(session: _tags.Session) -> dict[str, tuple[Any, ...]]:
     """``{key: (output, ...)}`` in call order, keys in the order their first call started."""
-    acts: dict[str, list[Any]] = {k: [] for k in session.starts}
+    acts: dict[str, list[Any]] = {}
+    for k in session.starts:
+        for kk in layer_keys(k, session.layered):
+            acts[kk] = []
     for r in session.records:
-        acts.setdefault(r.key, []).append(r.output())
+        for k, out in layer_split(r.key, r.output(), r.axes, session.layered):
+            acts.setdefault(k, []).append(out)
     return {k: tuple(v) for k, v in acts.items() if v}
 
 
+def layer_keys(key: str, layered: dict[str, tuple[str, tuple[int, ...], str]]) -> list[str]:
+    """The keys a record key stands for: ``"blocks/mlp[1,3]"`` -> ``blocks/mlp[1]``, ``[3]``."""
+    if key not in layered:
+        return [key]
+    site, layers, tail = layered[key]
+    return [f"{site}[{i}]{tail}" for i in layers]
+
+
+def layer_split(
+    key: str, tree: Any, axes: Any, layered: dict[str, tuple[str, tuple[int, ...], str]]
+) -> list[tuple[str, Any]]:
+    """A record of a one-layer selection, stacked over its scan, as one value per layer.
+
+    The layer axis is that of the innermost scan the value left (``axes`` lists the transforms
+    innermost first; each but ``cond`` and an unbounded ``while`` added a leading axis).
+    """
+    if key not in layered:
+        return [(key, tree)]
+    site, layers, tail = layered[key]
+    kinds = [kind for kind, _ in axes]
+    if "scan" not in kinds:
+        raise HookaxError(
+            f"call site {site!r} was selected by layer ({key!r}) but its value did not leave a "
+            f"scan (it left {kinds or 'no transform'}); only a lax.scan over layers has layers. "
+            f"Fix: select {site!r} without the layer suffix."
+        )
+    inner = kinds.index("scan")
+    length = axes[inner][1]
+    if any(i >= length for i in layers):
+        raise HookaxError(
+            f"{key!r} selects layer {max(layers)}, but the scan that runs call site {site!r} has "
+            f"{length} layers (0 to {length - 1}). Fix: pick an index below {length}."
+        )
+    axis = sum(
+        1
+        for kind, n in axes[inner + 1 :]
+        if not (kind == "cond" or (kind == "while" and n is None))
+    )
+
+    def layer(i: int) -> Any:
+        return jax.tree.map(lambda x: jax.lax.index_in_dim(x, i, axis, False), tree)
+
+    return [(f"{site}[{i}]{tail}", layer(i)) for i in layers]
+
+
+def collect_steps(session: _tags.Session) -> dict[str, tuple[Any, ...]]:
+    """``{key: (count, ...)}``: for each call of a call site inside a bounded ``while`` loop, the
+    iteration count of the innermost one, in the order of :func:`collect` (a one-layer
+    selection's count split by layer where a scan over layers stacked it)."""
+    steps: dict[str, list[Any]] = {}
+    for r in session.records:
+        if not r.n_counts:
+            continue
+        count = r.counts[0]
+        j = next(i for i, (kind, n) in enumerate(r.axes) if kind == "while" and n is not None)
+        outer = r.axes[j + 1 :]  # the transforms the count left after its loop
+        if r.key in session.layered and any(kind == "scan" for kind, _ in outer):
+            pairs = layer_split(r.key, count, outer, session.layered)
+        else:
+            pairs = [(k, count) for k in layer_keys(r.key, session.layered)]
+        for k, c in pairs:
+            steps.setdefault(k, []).append(c)
+    return {k: tuple(v) for k, v in steps.items()}
+
+
 def capture(
-    fn: Callable[..., Any], *, where: Any = _DEFAULT, ops: Any = None
-) -> Callable[..., tuple[Any, dict]]:
+    fn: Callable[..., Any],
+    *,
+    where: Any = _DEFAULT,
+    ops: Any = None,
+    while_steps: int | None = None,
+) -> Callable[..., tuple[Any, ...]]:
     """Wrap ``fn`` to also return the outputs of the selected call sites it runs.
 
     ``forward = hx.capture(fn, where=...)``; ``y, acts = forward(*args, **kwargs)``. ``acts`` maps
@@ -211,10 +340,30 @@ def capture(
     ``lax.scan``/``nnx.scan``/``nn.scan``/``lax.map`` over layers (one entry for the scanned call
     site, stacked on the scan axis), ``jax.checkpoint``/``nnx.remat``, ``lax.cond``/``switch``
     (the taken branch's value; NaN where the call site is in a branch not taken),
-    ``lax.while_loop`` (the last iteration's value), ``jax.grad``, ``shard_map``. The active capture
-    is part of the jit cache key.
+    ``lax.while_loop`` (the last iteration's value; every iteration with ``while_steps=``, below),
+    ``jax.grad``, ``shard_map``. The active capture is part of the jit cache key.
 
-    ``ops=`` adds the values of operations inside call sites (:func:`hx.ops` lists their
+    Every step of a ``lax.while_loop`` (a decode loop, ``fori_loop`` with traced bounds):
+    ``y, acts, steps = hx.capture(fn, where=..., while_steps=N)(*args)``. A call site inside the
+    loop is stacked like a scan's: ``acts[key][i]`` has a leading axis of ``N`` rows, row ``t``
+    holding iteration ``t``, and ``steps[key][i]`` is the number of iterations the loop ran (an
+    int32 array; for nested loops, the innermost loop's count, stacked by the outer loop). The
+    shape is the same eagerly and under jit; rows from the count on hold NaN (integers: the
+    dtype's minimum, booleans: False), so ``acts[key][0][: int(steps[key][0])]`` are the steps
+    that ran. The rows are buffers carried through the loop, written in place: memory is ``N``
+    times one iteration's values, time one row write per iteration. A loop that runs more than
+    ``N`` iterations raises [`hx.HookaxError`][hookax.HookaxError] where the count is known when
+    the call returns (eagerly, or around a jitted function); inside a jitted function it is not,
+    and the iterations from ``N`` on are dropped.
+
+    Around a function already jitted (``jax.jit``, ``nnx.jit``, ``eqx.filter_jit``: a decode
+    loop calling ``hx.capture(step)(...)`` per token) the capture is compiled once as a whole,
+    jitted the way ``step`` is (its static and donated arguments kept), and kept per ``(step,
+    where=, ops=, while_steps=)``: a capture made anew on every call retraces nothing and costs
+    what ``jax.jit(hx.capture(step))`` costs. JAX's own cache decides when to retrace (argument
+    structure, shapes, dtypes, shardings, static arguments, the active hookax entries).
+
+    ``ops=`` adds the values of operations inside call sites ([`hx.ops`][hookax.ops] lists their
     addresses): ``acts["layers/0/attn:softmax"]`` is a tuple, one value per call of its call
     site, carried through the same transforms (an operation inside a ``vmap`` written in the
     call site is seen batched, as the call site computes it).
@@ -224,22 +373,40 @@ def capture(
       where: which call sites; default every module's ``__call__``, or none when ``ops=`` is
         given. A module instance selects that module.
       ops: operation addresses (``"layers/0/attn:softmax"``, ``"**:dot_general#*"``), or a list.
+      while_steps: keep every iteration of each ``lax.while_loop``, up to this many (rows of
+        the stacked values); default None: the last iteration only.
 
     Returns:
-      A function taking ``fn``'s arguments and returning ``(fn's output, acts)``.
+      A function taking ``fn``'s arguments and returning ``(fn's output, acts)``, or ``(fn's
+      output, acts, steps)`` with ``while_steps=``.
 
     Raises:
       SelectorError: ``where=`` matched no call site that ran (the message lists those that did).
       HookaxError: a selected call site ran where its value cannot be carried out (the message
-        names it, the transform, and the fix).
+        names it, the transform, and the fix); a while loop ran more than ``while_steps``
+        iterations (where the count is known).
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
-    >>> y, acts = hx.capture(model)(jnp.ones((4, 2)))
-    >>> {k: [v.shape for v in vs] for k, vs in acts.items()}
-    {'': [(4, 3)], 'layers/0': [(4, 3)]}
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
+      >>> y, acts = hx.capture(model)(jnp.ones((4, 2)))
+      >>> {k: [v.shape for v in vs] for k, vs in acts.items()}
+      {'': [(4, 3)], 'layers/0': [(4, 3)]}
+
+      Every step of a decode loop written with ``lax.while_loop``:
+
+      >>> import jax
+      >>> cell = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+      >>> def decode(cell, h, n):
+      ...     body = lambda c: (c[0] + 1, jnp.tanh(cell(c[1])))
+      ...     return jax.lax.while_loop(lambda c: c[0] < n, body, (0, h))[1]
+      >>> y, acts, steps = hx.capture(decode, while_steps=8)(cell, jnp.ones((1, 3)), 5)
+      >>> acts[""][0].shape, int(steps[""][0])  # 8 rows, 5 of them ran
+      ((8, 1, 3), 5)
+      >>> bool(jnp.isnan(acts[""][0][5:]).all())
+      True
     """
     if not callable(fn):
         raise HookaxError(
@@ -247,18 +414,55 @@ def capture(
             f"type {type(fn).__name__}. Fix: hx.capture(model)(x), or "
             "hx.capture(lambda x: model(x))(x)."
         )
+    kind = _jitted.jit_kind(fn)
+    raw = ("raw", where, ops, while_steps, type(while_steps))
+    if kind is not None:  # a capture made anew per step: found without parsing its arguments
+        hit = _jitted.lookup(fn, raw)
+        if hit is not None:
+            return _forward(fn, hit, while_steps)
     where, patterns = where_and_ops(where, ops, "hx.capture")  # malformed ones raise here
+    bound = validate_while_steps(while_steps, "hx.capture")
 
-    def forward(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, tuple[Any, ...]]]:
-        s = session("hx.capture", where, fn, args, kwargs, ops=patterns)
-        y = s.run(fn, *args, **kwargs)
-        return y, collect(s.session)
+    def run(f: Any, args: tuple, kwargs: dict) -> tuple[Any, Any, Any]:
+        s = session("hx.capture", where, f, args, kwargs, ops=patterns, while_steps=bound)
+        y = s.run(f, *args, **kwargs)
+        return y, collect(s.session), None if bound is None else collect_steps(s.session)
 
+    if kind is not None and _by_value(where):  # compiled once as a whole, kept per fn
+        key = (where if where is _NO_SITES else as_selector(where, CALL_ONLY), patterns, bound)
+        return _forward(fn, _jitted.jitted_capture(fn, kind, key, run, raw), bound)
+    forward = _forward(fn, functools.partial(_call, run, fn), bound)
     # Only a function lends its name: a module's attributes (or a __wrapped__ pointing at it)
     # on the returned function would make Equinox's filtered transforms treat it as a pytree.
     if isinstance(fn, types.FunctionType | types.MethodType):
         functools.update_wrapper(forward, fn)
     return forward
+
+
+def _forward(fn: Any, run: Callable[..., Any], bound: int | None) -> Callable[..., Any]:
+    """The function ``hx.capture`` returns: ``run(*args) -> (y, acts, steps)``, checked."""
+
+    def forward(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
+        y, acts, steps = run(*args, **kwargs)
+        if bound is None:
+            return y, acts
+        check_steps("hx.capture", bound, steps)
+        return y, acts, steps
+
+    forward._hookax_fn = fn  # type: ignore[attr-defined]  # the cache of jitted captures holds fn weakly
+    return forward
+
+
+def _call(run: Callable[..., Any], fn: Any, *args: Any, **kwargs: Any) -> Any:
+    return run(fn, args, kwargs)
+
+
+def _by_value(where: Any) -> bool:
+    """Whether ``where=`` selects the same call sites whatever the arguments (a module
+    instance is found among them on each call)."""
+    if where is None or where is _NO_SITES or isinstance(where, str | type | Select):
+        return True
+    return isinstance(where, tuple | list) and all(isinstance(w, type) for w in where)
 
 
 def roots(fn: Any) -> Iterator[Any]:

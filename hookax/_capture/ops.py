@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._engine import dispatch as _dispatch
-from .._engine.select import Select, Selector, check_glob
+from .._engine.select import Select, Selector, check_glob, split_layers
+from .._hooks import layergate as _layergate
 from .._transforms import tags as _tags
 from .._transforms.optrace import OpContext, Site, Walker, push_scope
 from .._util.errors import HookaxError, SelectorError
@@ -84,7 +85,7 @@ def parse_ops(ops: Any, who: str) -> tuple[OpPattern, ...]:
                 "hx.ops(model, x) lists the addresses."
             )
         path, _, method = site.partition(":")
-        check_glob(path)
+        check_glob(split_layers(path)[0])
         index = m["index"]
         out.append(
             OpPattern(
@@ -139,14 +140,36 @@ class OpHandler:
 
 
 class Bound:
-    """An :class:`OpHandler` at one call site: the patterns whose call-site part matched."""
+    """An :class:`OpHandler` at one call site: the patterns whose call-site part matched, and
+    the scan iterations each picks (``"blocks/attn[3]:softmax"``; None: every call)."""
 
-    __slots__ = ("handler", "notes", "patterns")
+    __slots__ = ("frame", "handler", "layers", "notes", "patterns")
 
-    def __init__(self, handler: OpHandler, patterns: list[OpPattern], notes: Notes | None):
+    def __init__(
+        self,
+        handler: OpHandler,
+        patterns: list[OpPattern],
+        notes: Notes | None,
+        frame: Any = None,
+        layers: list[frozenset[int] | None] | None = None,
+    ):
         self.handler = handler
         self.patterns = patterns
         self.notes = notes
+        self.frame = frame
+        self.layers = layers
+
+    def layers_of(self, name: str, n: int) -> frozenset[int] | None:
+        """The scan iterations the patterns matching this operation pick (None: all)."""
+        if self.layers is None:
+            return None
+        picked: frozenset[int] = frozenset()
+        for p, layers in zip(self.patterns, self.layers, strict=True):
+            if p.matches(name, n):
+                if layers is None:
+                    return None
+                picked |= layers
+        return picked
 
     def wants(self, walker: Walker, name: str, n: int, address: str) -> bool:
         hit = False
@@ -169,6 +192,10 @@ class Bound:
         address = walker.address(name, n)
         if h.action == "mark":
             live = _tags.live_session(h.arg)
+            layers = self.layers_of(name, n)
+            if layers is not None:  # as visit() names it
+                tail = address[len(walker.key) :]
+                address = f"{walker.key}[{','.join(map(str, sorted(layers)))}]{tail}"
             if live is not None:
                 live.starts.setdefault(address)
         else:
@@ -176,11 +203,24 @@ class Bound:
 
     def visit(self, walker: Walker, op: OpContext, value: Any) -> Any:
         h = self.handler
+        layers = self.layers_of(op.name, op.index)
         if h.action == "mark":
             walker.touched = True
-            return _tags.mark(value, h.arg, op.address, op=True)
+            address = op.address
+            if layers is not None:
+                _layergate.check_in_scan(self.frame, layers)
+                tail = op.address[len(op.key) :]
+                address = f"{op.key}[{','.join(map(str, sorted(layers)))}]{tail}"
+                live = _tags.live_session(h.arg)
+                if live is not None:
+                    live.layered[address] = (op.key, tuple(sorted(layers)), tail)
+            return _tags.mark(value, h.arg, address, op=True)
         if h.action == "edit":
-            return walker.edit(h.arg.fn, op, value)
+            if layers is None:
+                return walker.edit(h.arg.fn, op, value)
+            pred = _layergate.layer_pred(self.frame, layers, value)
+            edited = walker.edit(h.arg.fn, op, value)
+            return _layergate.select(self.frame, pred, edited, value)
         h.arg.add(op, value, walker)
         return value
 
@@ -211,7 +251,10 @@ def enter_site(frame: Any, ctx: Any, entries: list[Any], fn: Callable[..., Any])
             notes.calls.add((ctx.key, ctx.path_str))
             notes.sites.update(p.text for p in pats)
         if pats:
-            bound.append(Bound(h, pats, notes))
+            layers = None
+            if any(p.site.has_layers() for p in pats):
+                layers = [p.site.layers(ctx) for p in pats]
+            bound.append(Bound(h, pats, notes, frame, layers))
     if not bound:
         return cm, fn
     # edits first (in the order their blocks were entered), then the marks and listings, so a
@@ -333,14 +376,15 @@ def named_scopes() -> contextlib.AbstractContextManager[None]:
     metadata: the optimized program is the same. Active scopes are part of the jit cache key, so
     a function traced inside the block is traced again outside it.
 
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
-    >>> with hx.named_scopes():
-    ...     compiled = jax.jit(lambda m, x: m(x)).lower(model, jnp.ones((1, 2))).compile()
-    >>> 'op_name="jit(<lambda>)/Sequential/layers/0/dot_general"' in compiled.as_text()
-    True
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.relu)
+      >>> with hx.named_scopes():
+      ...     compiled = jax.jit(lambda m, x: m(x)).lower(model, jnp.ones((1, 2))).compile()
+      >>> 'op_name="jit(<lambda>)/Sequential/layers/0/dot_general"' in compiled.as_text()
+      True
     """
     from .._hooks.intercept import Entry, scoped
 
@@ -353,12 +397,12 @@ def intercept_op(
     """Replace the values of operations inside call sites for the duration of a ``with`` block.
 
     ``fn(value, op)`` runs on each selected operation's output (an array, or a tuple for an
-    operation with several outputs) with its :class:`hx.OpContext`; it returns the new value,
-    of the same shape and dtype, or ``None`` to leave it. The rest of the program, and its
-    gradient, use the new value. ``ops=`` takes addresses as :func:`hx.ops` lists them
-    (``"layers/0/attn:softmax"``), with globs (``"layers/*/attn:softmax"``, ``"**:exp#*"``).
-    Edits work eagerly and under ``jax.jit``/``nnx.jit`` (the active edits are part of the jit
-    cache key), ``vmap``, ``scan`` over layers and ``jax.grad``; an operation inside a
+    operation with several outputs) with its [`hx.OpContext`][hookax.OpContext]; it returns the new
+    value, of the same shape and dtype, or ``None`` to leave it. The rest of the program, and its
+    gradient, use the new value. ``ops=`` takes addresses as [`hx.ops`][hookax.ops] lists them
+    (``"layers/0/attn:softmax"``), with globs (``"layers/*/attn:softmax"``, ``"**:exp#*"``). Edits
+    work eagerly and under ``jax.jit``/``nnx.jit`` (the active edits are part of the jit cache key),
+    ``vmap``, ``scan`` over layers and ``jax.grad``; an operation inside a
     ``custom_jvp``/``custom_vjp`` function cannot be edited (edit the function's output).
 
     Args:
@@ -369,19 +413,20 @@ def intercept_op(
       SelectorError: at the end of the block, when an address matched no operation that ran.
       HookError: ``fn`` returned a value of another structure or shape.
 
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> class Block(nnx.Module):
-    ...     def __init__(self):
-    ...         self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
-    ...     def __call__(self, x):
-    ...         return jax.nn.relu(self.lin(x)) * 2.0
-    >>> block = Block()
-    >>> with hx.intercept_op(lambda v, op: jnp.zeros_like(v), ops=":relu"):
-    ...     y = block(jnp.ones((1, 3)))
-    >>> y
-    Array([[0., 0., 0.]], dtype=float32)
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> class Block(nnx.Module):
+      ...     def __init__(self):
+      ...         self.lin = nnx.Linear(3, 3, rngs=nnx.Rngs(0))
+      ...     def __call__(self, x):
+      ...         return jax.nn.relu(self.lin(x)) * 2.0
+      >>> block = Block()
+      >>> with hx.intercept_op(lambda v, op: jnp.zeros_like(v), ops=":relu"):
+      ...     y = block(jnp.ones((1, 3)))
+      >>> y
+      Array([[0., 0., 0.]], dtype=float32)
     """
     if not callable(fn):
         raise HookaxError(
@@ -395,7 +440,7 @@ def intercept_op(
 
 @dataclasses.dataclass(frozen=True)
 class OpRow:
-    """One operation inside a call site, as :func:`hx.ops` lists it.
+    """One operation inside a call site, as [`hx.ops`][hookax.ops] lists it.
 
     Attributes:
       address: what ``ops=`` takes: ``"layers/0/attn:softmax"``.

@@ -15,7 +15,8 @@ _HEADERS = ("Address", "Primitive", "Inputs", "Outputs", "Source")
 
 
 class Ops:
-    """The operations :func:`hx.ops` found: ``rows`` (:class:`hx.OpRow`), printed as a table."""
+    """The operations [`hx.ops`][hookax.ops] found: ``rows`` ([`hx.OpRow`][hookax.OpRow]),
+    printed as a table."""
 
     def __init__(self, rows: list[OpRow]) -> None:
         self.rows = rows
@@ -36,27 +37,59 @@ class Ops:
 
         return json.dumps([dataclasses.asdict(r) for r in self.rows], indent=1)
 
+    def grid(self) -> Any:
+        """The table as a ``hookax._util.display.Grid`` (what ``print`` and notebooks
+        show): one row per operation. Too wide for the terminal, each call site and each source
+        line becomes a line of its own, above the operations it holds (named within the call
+        site: ``:softmax``, the primitive in brackets where it differs)."""
+        from .._util.display import Grid, Line
+
+        footer = (f"{len(self.rows)} operations in {len({r.key for r in self.rows})} call sites",)
+        wide: list[Any] = []
+        narrow: list[Any] = []
+        key = source = None
+        for r in self.rows:
+            indent = "  " * _depth(r, self.rows)
+            shapes = (" ".join(r.inputs) or "-", " ".join(r.outputs) or "-")
+            wide.append((indent + r.address, r.primitive, *shapes, r.source))
+            if r.key != key:
+                narrow.append(Line(r.key or "(model)", "bold cyan"))
+                key, source = r.key, None
+            if r.source != source:
+                narrow.append(Line(f"  at {_short(r.source) or '?'}", "dim"))
+                source = r.source
+            name = r.address[len(r.key) :]
+            if r.primitive != r.name:
+                name += f" ({r.primitive})"
+            narrow.append(("  " + indent + name, *shapes))
+        heads = ("Operation", "Inputs", "Outputs")
+        small = Grid("", heads, narrow, footer=footer, boxed=False, styles={0: "cyan"})
+        styles = {0: "cyan", 4: "dim"}
+        return Grid("", _HEADERS, wide, footer=footer, boxed=False, styles=styles, narrow=small)
+
+    def __rich__(self) -> Any:
+        return self.grid()
+
     def __str__(self) -> str:
-        body = [
-            (
-                ("  " * _depth(r, self.rows)) + r.address,
-                r.primitive,
-                " ".join(r.inputs) or "-",
-                " ".join(r.outputs) or "-",
-                r.source,
-            )
-            for r in self.rows
-        ]
-        widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(_HEADERS)]
-        widths[-1] = len(_HEADERS[-1])  # the last column is not padded
-        line = "  ".join(h.ljust(w) for h, w in zip(_HEADERS, widths)).rstrip()
-        out = [line, "-" * len(line)]
-        out += ["  ".join(c.ljust(w) for c, w in zip(b, widths)).rstrip() for b in body]
-        out.append(f"{len(self.rows)} operations in {len({r.key for r in self.rows})} call sites")
-        return "\n".join(out)
+        """The table as text at the terminal's width (natural when piped or in a notebook)."""
+        from .._util.display import terminal_width
+
+        return self.grid().text(terminal_width())
 
     def __repr__(self) -> str:
-        return f"<hx.Ops: {len(self.rows)} operations>"
+        sites = len({r.key for r in self.rows})
+        return f"<hx.Ops: {len(self.rows)} operations in {sites} call sites>"
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython's text
+        p.text(str(self))
+
+    def _repr_html_(self) -> str:  # a notebook's table
+        return self.grid().html()
+
+
+def _short(source: str) -> str:
+    """A source line without the ``<locals>`` of nested functions' names."""
+    return source.replace(".<locals>.", ".")
 
 
 def _depth(row: OpRow, rows: list[OpRow]) -> int:
@@ -85,19 +118,20 @@ def ops(fn: Callable[..., Any], *args: Any, where: Any = None, **kwargs: Any) ->
       **kwargs: example keyword arguments.
 
     Returns:
-      An :class:`hx.Ops`: ``rows`` and a printable table.
+      An [`hx.Ops`][hookax.Ops]: ``rows`` and a printable table.
 
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> class Block(nnx.Module):
-    ...     def __init__(self):
-    ...         self.lin = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
-    ...     def __call__(self, x):
-    ...         return jnp.exp(jax.nn.softmax(self.lin(x)))
-    >>> table = hx.ops(Block(), jnp.ones((2, 3)))
-    >>> [(r.address, r.within) for r in table if r.name in ("softmax", "exp", "dot_general")]
-    [('lin:dot_general', ''), (':softmax', ''), (':exp', ':softmax'), (':exp#1', '')]
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> class Block(nnx.Module):
+      ...     def __init__(self):
+      ...         self.lin = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+      ...     def __call__(self, x):
+      ...         return jnp.exp(jax.nn.softmax(self.lin(x)))
+      >>> table = hx.ops(Block(), jnp.ones((2, 3)))
+      >>> [(r.address, r.within) for r in table if r.name in ("softmax", "exp", "dot_general")]
+      [('lin:dot_general', ''), (':softmax', ''), (':exp', ':softmax'), (':exp#1', '')]
     """
     from .._hooks.intercept import Entry, tracked
     from .actgrad import eval_shape, framework_mode, is_nnx_module

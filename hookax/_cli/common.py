@@ -11,8 +11,9 @@ summary`` and ``hookax gradflow`` themselves; the entry point is :mod:`hookax._c
 A factory is ``package.module:function`` (the current directory is importable) or
 ``path/to/file.py:function``; it is called once, with no arguments, and returns a Flax NNX, Flax
 Linen or Equinox module. A mistake on the command line (an unknown example, a factory that does
-not import, an input spec that does not parse, an input the model rejects) prints one line on
-stderr and exits with 2.
+not import, an input spec that does not parse, an input that does not fit the model) prints one
+line on stderr and exits with 2; so does an exception of the model's own, shown as the model's
+with its call site and line (:mod:`hookax._cli.failures`).
 
 Subcommands are :class:`Command`\\ s in :data:`COMMANDS`; :func:`register` adds one, and
 :func:`add_model_arguments` / :func:`load_model` give it the same model options as the others.
@@ -28,6 +29,10 @@ import os
 import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
+
+from .failures import first_line as _first_line
+from .failures import model_failed
+from .flags import call_problem, in_flags, where_error
 
 __all__ = [
     "COMMANDS",
@@ -314,6 +319,30 @@ def load_nnx_or_equinox(args: argparse.Namespace, does: str, *, linen: bool = Fa
     return loaded
 
 
+def check_call(
+    loaded: LoadedModel, method: str = "__call__", kwargs: dict[str, Any] | None = None
+) -> None:
+    """Refuse, before any work, a ``--method`` the model does not have, or ``--input`` and
+    ``--kw`` that its method does not take (``kwargs``: those it is called with)."""
+    kwargs = loaded.kwargs if kwargs is None else kwargs
+    problem = call_problem(loaded.model, method, loaded.args, kwargs)
+    if problem is not None:
+        raise UsageError(problem)
+
+
+def command_error(e: Exception, loaded: LoadedModel, where: str | None = None) -> UsageError:
+    """The one-line error for ``e``, raised while a command ran the model: a ``--where`` that
+    selects nothing, another hookax error (in the command's flags), or an exception of the
+    model's run (:func:`~hookax._cli.failures.model_failed`)."""
+    from .._util.errors import HookaxError, SelectorError
+
+    if isinstance(e, SelectorError):
+        return UsageError(where_error(where, _first_line(e)))
+    if isinstance(e, HookaxError):
+        return UsageError(in_flags(_first_line(e)))
+    return UsageError(model_failed(e, loaded))
+
+
 def bind_linen(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any], seed: int) -> Any:
     """A Linen module bound to variables initialised (``model.init``) for these inputs; any other
     model unchanged."""
@@ -382,34 +411,10 @@ def _traced_build(build: Callable[[], Any], transform: Callable[[Any], Any]) -> 
     return kept["rebuild"](made)
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
-
-
 def _model(args: argparse.Namespace, *, abstract: bool) -> tuple[Any, tuple[Any, ...], int]:
     """The model, its positional input specs and the bound of random integer inputs."""
     loaded = load_model(args, abstract=abstract)
     return loaded.model, loaded.args, loaded.int_high
-
-
-def _rejected(e: Exception, loaded: LoadedModel | tuple[Any, ...]) -> UsageError:
-    """The error for an input the model rejected (``loaded``: the model or the input specs)."""
-    import jax
-
-    from .._summary.trace import rejection
-    from .._util.specs import describe
-
-    if isinstance(loaded, LoadedModel):
-        leaves = [*loaded.args, *jax.tree.leaves(loaded.kwargs)]
-    else:
-        leaves = list(loaded)
-    shown = ", ".join(describe(x) for x in leaves)
-    where = rejection(e)
-    where = f"{where}: " if where else ""
-    return UsageError(
-        f"input {shown} does not fit the model: {where}{type(e).__name__}: {_first_line(e)}"
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,6 +448,7 @@ def _summary(args: argparse.Namespace) -> None:
     train = kwargs.pop("train", None)  # hx.summary passes it on to a model that takes it
     if not isinstance(train, bool | None):
         raise UsageError(f"--kw train takes true or false, got {train!r}")
+    check_call(loaded, args.method, kwargs)
     try:
         s = summary(
             loaded.model,
@@ -454,12 +460,16 @@ def _summary(args: argparse.Namespace) -> None:
             **kwargs,
         )
     except HookaxError as e:
-        raise UsageError(_first_line(e).removeprefix("hx.summary: ")) from None
+        raise UsageError(in_flags(_first_line(e))) from None
     except Exception as e:
-        raise _rejected(e, loaded) from None
+        raise UsageError(model_failed(e, loaded)) from None
     fmt = "json" if args.json else args.format
-    text = {"json": s.to_json, "markdown": s.to_markdown, "table": s.__str__}[fmt]()
-    print(text)
+    if fmt == "table":  # at the terminal's width, in colour on a terminal
+        from .._util.display import echo
+
+        echo(s.__rich__())
+        return
+    print(s.to_json() if fmt == "json" else s.to_markdown())
 
 
 register(
@@ -493,17 +503,14 @@ def _gradflow(args: argparse.Namespace) -> None:
     except OSError as e:
         raise UsageError(f"cannot write {args.out!r}: {e.strerror or e}") from None
     loaded = load_nnx_or_equinox(args, "gradflow plots", linen=True)
+    check_call(loaded)
     inputs = random_inputs(loaded.args, args.seed, loaded.int_high)
     kwargs = _concrete_kwargs(loaded.kwargs, args.seed)
     try:
         model = bind_linen(loaded.model, inputs, kwargs, args.seed)
         flow = grad_flow(model, *inputs, where=args.where, **kwargs)
     except Exception as e:
-        from .._util.errors import SelectorError
-
-        if isinstance(e, SelectorError):
-            raise UsageError(f"--where {args.where!r}: {_first_line(e)}") from None
-        raise _rejected(e, loaded) from None
+        raise command_error(e, loaded, args.where) from None
     if not flow.outputs and not flow.params:
         raise UsageError("no call site reached the loss: nothing to plot")
     try:

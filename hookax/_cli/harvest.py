@@ -23,8 +23,18 @@ safety:
   --out must be a new folder, an empty one, or a hookax store. Any other folder is refused
   with its contents listed and every file left as it was; so are the current folder, the home
   folder and the folders above them. --overwrite replaces only a hookax store that holds
-  nothing but what hookax wrote. An interrupted run keeps every committed batch: run the same
-  command again to resume after the last one."""
+  nothing but what hookax wrote.
+
+what survives an interruption:
+  Every committed batch, whatever stopped the run (Ctrl-C, a kill, a full disk). Ctrl-C exits
+  with status 130 and one line: how many batches the store holds. Run the same command again:
+  it resumes after the last committed batch and ends as an uninterrupted run would.
+
+store faults:
+  A --out that cannot be written (a file on its path, a read-only or full disk, a folder moved
+  or replaced while the run writes) is one line naming --out, the cause and the batch reached,
+  exit status 2; the committed batches are kept, and the same command resumes once the cause
+  is fixed."""
 
 
 def add_parser(sub: Any) -> None:
@@ -59,16 +69,44 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    from .interrupt import describing
 
+    with describing(lambda: kept(args.out)):  # Ctrl-C says what the store holds
+        _run(args)
+
+
+def kept(out: str) -> str:
+    """What a store holds after Ctrl-C, and how to go on (the line after ``interrupted: ``)."""
+    from pathlib import Path
+
+    from .._harvest.store import committed_batches
+
+    try:
+        n = committed_batches(Path(out))
+    except (OSError, ValueError, KeyError):  # no store (yet)
+        n = 0
+    if not n:
+        return f"no batch committed to --out {out!r}; run the same command again to start"
+    s, are = ("es", "are") if n != 1 else ("", "is")
+    return (
+        f"{n} batch{s} committed to --out {out!r} {are} kept; run the same command again to "
+        f"resume at batch {n}"
+    )
+
+
+def _run(args: argparse.Namespace) -> None:
     from .._diagnostics.gradflow import random_inputs
     from .._harvest.harvest import harvest
     from .._harvest.tokens import TokenBatches, TokenModel, token_mask
     from .._util.errors import HookaxError
     from .._util.specs import DTYPES
     from . import common as _cli
+    from .interrupt import graceful
 
     if args.batches is not None and args.batches < 1:
         raise _cli.UsageError(f"--batches takes an integer >= 1, got {args.batches}")
+    if args.row_axes is not None and args.row_axes < 1:
+        raise _cli.UsageError(f"--row-axes takes an integer >= 1, got {args.row_axes}")
     dtype = None
     if args.dtype is not None:
         if args.dtype not in DTYPES:
@@ -86,17 +124,19 @@ def run(args: argparse.Namespace) -> None:
             raise _cli.UsageError(f"--tokens: {_cli._first_line(e)}") from None
         args.input = args.input or [tokens.spec]
     loaded = _cli.load_nnx_or_equinox(args, "harvest runs", linen=True)
+    _cli.check_call(loaded)
     model, specs = loaded.model, loaded.args
     kwargs = _cli._concrete_kwargs(loaded.kwargs, args.seed)
-    model = _cli.bind_linen(
-        model, random_inputs(specs, args.seed, loaded.int_high), kwargs, args.seed
-    )
+    try:
+        model = _cli.bind_linen(
+            model, random_inputs(specs, args.seed, loaded.int_high), kwargs, args.seed
+        )
+    except Exception as e:
+        raise _cli.command_error(e, loaded) from None
     fn: Any = model
     if loaded.kwargs:  # the same keyword arguments for every batch
         fn = _Call(model, kwargs)
-    batches: Any = (
-        random_inputs(specs, args.seed + i, loaded.int_high) for i in range(args.batches or 10)
-    )
+    batches: Any = _Random(specs, args.seed, loaded.int_high, args.batches or 10)
     cli: dict[str, Any] = {"input": [_spec(s) for s in specs], "seed": args.seed}
     if tokens is not None:
         fn, batches, cli = TokenModel(fn), tokens, {**cli, **tokens.describe()}
@@ -105,43 +145,41 @@ def run(args: argparse.Namespace) -> None:
     if args.eval:
         cli["eval"] = True
     try:
-        h = harvest(
-            fn,
-            batches,
-            where=args.where,
-            store=args.out,
-            dtype=dtype,
-            row_axes=args.row_axes or (2 if tokens is not None else 1),
-            mask=token_mask if tokens is not None else None,
-            overwrite=args.overwrite,
-            metadata={"cli": cli},
-            progress=False if args.no_progress else None,
-        )
-    except HookaxError as e:
-        raise _cli.UsageError(in_flags(_cli._first_line(e))) from None
+        with graceful(lambda: kept(args.out)):  # Ctrl-C: the batches handed over commit
+            h = harvest(
+                fn,
+                batches,
+                where=args.where,
+                store=args.out,
+                dtype=dtype,
+                row_axes=args.row_axes or (2 if tokens is not None else 1),
+                mask=token_mask if tokens is not None else None,
+                overwrite=args.overwrite,
+                metadata={"cli": cli},
+                progress=False if args.no_progress else None,
+            )
     except Exception as e:
-        raise _cli._rejected(e, loaded) from None
-    _report(h)
+        raise _cli.command_error(e, loaded, args.where) from None
+    from .._harvest.progress import shown
+
+    _report(h, final_line_shown=shown(False if args.no_progress else None))
 
 
-# hx.harvest's words for its arguments -> this command's flags
-_FLAGS = (
-    ("hx.harvest: ", ""),
-    ("overwrite=True", "--overwrite"),
-    ("store=PATH", "--out PATH"),
-    ("store=", "--out "),
-    ("where=", "--where "),
-    ("row_axes=", "--row-axes "),
-    ("row_axes", "--row-axes"),
-    ("dtype=", "--dtype "),
-)
+class _Random:
+    """``n`` batches of random inputs for ``specs``, made one at a time (a length: the progress
+    bar's total)."""
 
+    def __init__(self, specs: tuple[Any, ...], seed: int, int_high: int, n: int) -> None:
+        self.specs, self.seed, self.int_high, self.n = specs, seed, int_high, n
 
-def in_flags(message: str) -> str:
-    """An error of ``hx.harvest`` in the words of the command line (its flags)."""
-    for python, flag in _FLAGS:
-        message = message.replace(python, flag)
-    return message
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        from .._diagnostics.gradflow import random_inputs
+
+        for i in range(self.n):
+            yield random_inputs(self.specs, self.seed + i, self.int_high)
 
 
 class _Call:
@@ -161,17 +199,21 @@ def _spec(s: Any) -> str:
     return format_spec(tuple(s.shape), s.dtype)
 
 
-def _report(h: Any) -> None:
+def _report(h: Any, final_line_shown: bool) -> None:
+    """What was stored (``(model)`` for the model's own output), and the run in one line unless
+    the progress already ended with it (one set of figures, one throughput)."""
     import json
 
     meta = json.loads((h.store / "hookax.json").read_text())
-    width = max(len(n) for n in h.names)
-    for name in h.names:
+    names = {name: name or "(model)" for name in h.names}
+    width = max(len(n) for n in names.values())
+    for name, shown in names.items():
         a = meta["arrays"][name]
-        print(f"{name:<{width}}  {a['dtype']}[{h.rows},{','.join(map(str, a['shape']))}]")
-    rate = h.bytes / 1e6 / max(h.seconds, 1e-9)
-    resumed = f", resumed at batch {h.resumed_at}" if h.resumed_at else ""
-    print(
-        f"wrote {h.store}: {h.batches} batches, {h.rows:,} rows, {h.bytes / 1e6:.1f} MB in "
-        f"{h.seconds:.1f} s ({rate:.3g} MB/s{resumed})"
-    )
+        print(f"{shown:<{width}}  {a['dtype']}[{h.rows},{','.join(map(str, a['shape']))}]")
+    if h.resumed_at >= h.batches:  # every batch asked for was there already
+        print(
+            f"{h.store} already holds {h.batches} batches ({h.rows:,} rows): nothing to compute. "
+            f"A larger --batches adds batches after them; --overwrite starts again."
+        )
+        return
+    print(f"wrote {h.store}" + ("" if final_line_shown else f": {h.describe()}"))

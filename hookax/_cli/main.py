@@ -6,14 +6,25 @@ here, each run from its own module) and maps errors to one line and an exit code
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
+from . import interrupt
 from .common import COMMANDS, Command, UsageError, _Parser, register
 
 __all__ = ["main"]
+
+
+EPILOG = """\
+errors and Ctrl-C:
+  A mistake or a failure is one line on stderr, in the words of the flags, and exit status 2:
+  an input that does not fit the model, an exception of the model's own (with its call site
+  and line), a --out that cannot be written. Ctrl-C ends any subcommand with status 130 and
+  one line, at once, also while XLA compiles; an interrupted harvest keeps every committed
+  batch and the same command resumes it (hookax harvest --help: safety)."""
 
 
 def _version() -> str:
@@ -29,6 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="hookax",
         description="Summaries and gradient flow of JAX models (Flax NNX, Flax Linen, Equinox).",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=_version())
     sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -102,8 +115,24 @@ def _harvest(args: argparse.Namespace) -> None:
 register(Command("harvest", "", None, _harvest, add_parser=_harvest_parser))
 
 
+@contextlib.contextmanager
+def _whole_tracebacks() -> Iterator[None]:
+    """JAX's own frames kept in tracebacks: where an exception was raised tells an input that
+    does not fit (JAX refused it) from the model's own exception (:mod:`.failures`). The
+    command shows no traceback, so nothing is lost."""
+    import jax
+
+    old = jax.config.jax_traceback_filtering  # type: ignore[attr-defined]
+    jax.config.update("jax_traceback_filtering", "off")
+    try:
+        yield
+    finally:
+        jax.config.update("jax_traceback_filtering", old)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``hookax`` command; returns the exit code (0, or 2 for a usage mistake)."""
+    """Run the ``hookax`` command; returns the exit code (0, 2 for a usage mistake or a failure,
+    130 for Ctrl-C: :mod:`hookax._cli.interrupt`)."""
     from .._util.extras import MissingExtraError, require
 
     try:
@@ -118,13 +147,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             require("tensorboardX", "tensorboard", "hookax stats-plot (it reads TensorBoard files)")
         if args.command == "harvest":
             require("tensorstore", "harvest", "hookax harvest (it writes a zarr store)")
-        COMMANDS[args.command].run(args)
+        with _whole_tracebacks():
+            COMMANDS[args.command].run(args)
         sys.stdout.flush()
     except (UsageError, MissingExtraError) as e:
+        if interrupt.requested(e):  # an exception the Ctrl-C turned into (JAX wraps some)
+            return _interrupted()
         print(f"hookax: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return _interrupted()
     except BrokenPipeError:  # `hookax summary ... | head`: the reader has what it wanted
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         return 0
+    except Exception as e:
+        if interrupt.requested(e):
+            return _interrupted()
+        raise
     return 0
+
+
+def _interrupted() -> int:
+    """Ctrl-C: the command exits here (:func:`interrupt.exit_now`); in-process (tests), one
+    line and 130."""
+    if interrupt.installed():
+        interrupt.exit_now()
+    print(f"hookax: {interrupt.message(clear=True)}", file=sys.stderr)
+    return 130

@@ -26,19 +26,22 @@ def add_arguments(c: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     from .._capture.opslist import ops
-    from .._util.errors import SelectorError
-    from .common import UsageError, _first_line, _rejected, load_model
+    from .common import check_call, command_error, load_model
 
     loaded = load_model(args, abstract=True)  # nothing weights-sized is allocated
-    fn, inputs = _abstract_call(loaded.model, loaded.args, loaded.kwargs, args.eval)
+    check_call(loaded)
     kwargs = dict(loaded.kwargs)
     try:
+        fn, inputs = _abstract_call(loaded.model, loaded.args, loaded.kwargs, args.eval)
         table = ops(fn, *inputs, where=args.where, **kwargs)
-    except SelectorError as e:
-        raise UsageError(f"--where {args.where!r}: {_first_line(e)}") from None
     except Exception as e:
-        raise _rejected(e, loaded) from None
-    print(table.to_json() if args.format == "json" else table)
+        raise command_error(e, loaded, args.where) from None
+    if args.format == "json":
+        print(table.to_json())
+    else:
+        from .._util.display import echo
+
+        echo(table.grid())
 
 
 def _abstract_call(model: Any, inputs: tuple, kwargs: dict, eval_mode: bool) -> tuple[Any, tuple]:

@@ -83,6 +83,55 @@ class GradFlow:
     outputs: dict[str, float]
     params: dict[str, tuple[float, float]]
 
+    def grid(self) -> Any:
+        """The table (a ``hookax._util.display.Grid``): one row per layer, the values
+        to 4 significant digits."""
+        from .._util.display import Grid
+
+        rows = []
+        for key in [*self.outputs, *(k for k in self.params if k not in self.outputs)]:
+            out = self.outputs.get(key)
+            mean, top = self.params.get(key, (None, None))
+            rows.append((key or "(model)", *(_g(v) for v in (out, mean, top))))
+        title = f"Gradient flow: {len(self.outputs)} call sites, {len(self.params)} with parameters"
+        heads = ("Layer", "‖∂loss/∂output‖₂", "mean |∂loss/∂params|", "max |∂loss/∂params|")
+        return Grid(title, heads, rows, numeric=frozenset({1, 2, 3}), styles={0: "cyan"})
+
+    def __str__(self) -> str:
+        """The table as text at the terminal's width (natural when piped or in a notebook)."""
+        from .._util.display import terminal_width
+
+        return self.grid().text(terminal_width())
+
+    def __repr__(self) -> str:
+        norms = [v for v in self.outputs.values() if math.isfinite(v)]
+        span = f"; ‖∂loss/∂output‖₂ {_g(min(norms))} to {_g(max(norms))}" if norms else ""
+        return (
+            f"<hx.GradFlow: {len(self.outputs)} call sites, {len(self.params)} with "
+            f"parameters{span}>"
+        )
+
+    def __rich__(self) -> Any:
+        return self.grid()
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython's text
+        p.text(str(self))
+
+    def _repr_html_(self) -> str:  # a notebook: the figure (when matplotlib is there), the table
+        import importlib.util
+
+        table = self.grid().html()
+        if importlib.util.find_spec("matplotlib") is None or not (self.outputs or self.params):
+            return table
+        from .figure import png_html
+
+        return png_html(plot_grad_flow(self)) + "\n" + table
+
+
+def _g(v: float | None) -> str:
+    """A gradient statistic to 4 significant digits (``-`` when there is none)."""
+    return "-" if v is None else f"{v:.4g}"
+
 
 def layer_grad_norms(
     model: Any,
@@ -96,7 +145,7 @@ def layer_grad_norms(
     Keys are call-site keys in call order (``"layers/0"``; the model's own output is left out);
     a call site called several times gets the norm over all its calls; a call site inside a
     scan over layers gets one key per layer (``"layers[3]/mlp"``). Computed with
-    :func:`hookax.value_and_grad` under ``nnx.jit``: the model is not edited.
+    [`hx.value_and_grad`][hookax.value_and_grad] under ``nnx.jit``: the model is not edited.
 
     Args:
       model: a Flax NNX or Equinox module.
@@ -109,16 +158,17 @@ def layer_grad_norms(
     Returns:
       ``{label: norm}`` in call order.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> rngs = nnx.Rngs(0)
-    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))
-    >>> norms = layer_grad_norms(model, jnp.ones((2, 3)))
-    >>> list(norms)
-    ['layers/0', 'layers/1']
-    >>> all(v > 0 for v in norms.values())
-    True
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> rngs = nnx.Rngs(0)
+      >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))
+      >>> norms = layer_grad_norms(model, jnp.ones((2, 3)))
+      >>> list(norms)
+      ['layers/0', 'layers/1']
+      >>> all(v > 0 for v in norms.values())
+      True
     """
     return grad_flow(model, *inputs, loss_fn=loss_fn, where=where, **kwargs).outputs
 
@@ -128,12 +178,13 @@ def param_grad_stats(
 ) -> dict[str, tuple[float, float]]:
     """Mean and max of ``|d loss / d (parameters)|`` of each module's own parameters.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> rngs = nnx.Rngs(0)
-    >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))
-    >>> list(param_grad_stats(model, jnp.ones((2, 3))))
-    ['layers/0', 'layers/1']
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> rngs = nnx.Rngs(0)
+      >>> model = nnx.Sequential(nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 2, rngs=rngs))
+      >>> list(param_grad_stats(model, jnp.ones((2, 3))))
+      ['layers/0', 'layers/1']
     """
     return grad_flow(model, *inputs, loss_fn=loss_fn, **kwargs).params
 
@@ -145,7 +196,7 @@ def grad_flow(
     where: Any = None,
     **kwargs: Any,
 ) -> GradFlow:
-    """Both measurements of one backward pass (see :class:`GradFlow`).
+    """Both measurements of one backward pass (see [`hx.GradFlow`][hookax.GradFlow]).
 
     ``model`` is a Flax NNX or Equinox module, or a Linen module bound to its variables
     (``module.bind(variables)``: the gradients are taken with respect to its ``params``).
@@ -417,6 +468,9 @@ def check_writable(out: str) -> None:
 def plot_grad_flow(flow: GradFlow, out: str | None = None, title: str = "gradient flow") -> Any:
     """The figure of ``flow`` (matplotlib ``Figure``), written to ``out`` (PNG) when given.
 
+    A notebook shows the figure as an image (it is not one of pyplot's figures: nothing else
+    shows it, and it is freed with the last reference to it).
+
     Top panel: d loss / d (layer output) per call site; bottom panel (models with parameters):
     mean and max of |d loss / d params| per layer. Log axes span whole decades around every
     value; zero and non-finite values are marked at the bottom of the axis.
@@ -425,7 +479,8 @@ def plot_grad_flow(flow: GradFlow, out: str | None = None, title: str = "gradien
 
     require("matplotlib", "plot", "hx.plot_grad_flow (it draws a chart)")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
+
+    from .figure import Figure
 
     panels: list[tuple[dict[str, list[float]], str]] = [
         ({"‖grad‖₂": list(flow.outputs.values())}, OUTPUT_LABEL)

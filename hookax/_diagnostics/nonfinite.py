@@ -102,12 +102,12 @@ def _groups(records: list[Any]) -> Iterator[list[int]]:
     """Record indices in runs: consecutive records that left the same scans together (one scan
     body; a key seen again starts a new run) or a single record outside any scan."""
     run: list[int] = []
-    for i, (key, _, _, axes) in enumerate(records):
+    for i, (key, _, _, (axes, _)) in enumerate(records):
         scanned = _stats.layer_axes(axes) > 0
         same = (
             run
             and scanned
-            and records[run[0]][3] == axes
+            and records[run[0]][3][0] == axes
             and key not in {records[j][0] for j in run}
         )
         if run and not same:
@@ -122,14 +122,19 @@ def _sites(records: list[Any], counts: list[np.ndarray]) -> list[_Site]:
     """Every call site (and layer) in forward execution order, with its non-finite counts."""
     out: list[_Site] = []
     for run in _groups(records):
-        lead = _stats.layer_axes(records[run[0]][3])
+        lead = _stats.layer_axes(records[run[0]][3][0])
         per = []
         for pos, i in enumerate(run):
+            key, _, _, (_, layered) = records[i]
+            # a one-layer selection ("blocks/lin[2]"): its site, and only its layers count
+            site_key, layers, _ = layered.get(key, (key, None, ""))
             c = counts[i]  # (*layers, *batch, 2): sum the batch axes of a vmap in the model
             c = c.reshape(*c.shape[:lead], -1, 2).sum(axis=-2)
             for idx in np.ndindex(*c.shape[:lead]):
+                if layers is not None and idx[-1] not in layers:
+                    continue
                 layer = idx if lead else None
-                site = _Site(records[i][0], layer, int(c[idx][0]), int(c[idx][1]))
+                site = _Site(site_key, layer, int(c[idx][0]), int(c[idx][1]))
                 per.append(((idx, pos), site))
         out.extend(site for _, site in sorted(per, key=lambda t: t[0]))
     return out

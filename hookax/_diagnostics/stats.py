@@ -146,13 +146,13 @@ class StatsMarker(_capture._Marker):
 
     names: tuple[str, ...] = DEFAULT_STATS
 
-    def tag(self, out: Any, ctx: Any) -> Any:
+    def tag(self, out: Any, key: str) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(out)
         where = [i for i, x in enumerate(leaves) if _is_float_array(x)]
         if not where:
             return out  # no floating output: nothing to measure, no record
         xs = tuple(leaves[i] for i in where)
-        dummy = _tags.mark(_dummy(xs[0], 2 * len(self.names)), self.sid, ctx.key)
+        dummy = _tags.mark(_dummy(xs[0], 2 * len(self.names)), self.sid, key)
         for i, y in zip(where, _tap(self.names, xs, dummy)):
             leaves[i] = y
         return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -280,8 +280,10 @@ def layout(records: list[Any], g: list[Any], names: tuple[str, ...]) -> Stats:
     """:class:`Stats` from the dummies' gradients, keys in the order their first call ended;
     several calls of one call site stacked on a new leading axis."""
     per_key: dict[str, list[Any]] = {}
-    for (key, *_), v in zip(records, g):
-        per_key.setdefault(key, []).append(v)
+    for (key, _, _, (axes, layered)), v in zip(records, g):
+        # a one-layer selection ("blocks/lin[2]") stacked over its scan: one key per layer
+        for k, part in _capture.layer_split(key, v, axes, layered):
+            per_key.setdefault(k, []).append(part)
     blocks, lead = [], []
     for key, values in per_key.items():
         if len(values) > 1 and len({v.shape for v in values}) > 1:

@@ -92,7 +92,7 @@ class StaleTraceWarning(UserWarning):
 
     Linen's interceptors are not part of the jit cache key, so this is what a jitted function
     reusing a trace made without (or with another) interceptor looks like. Issued once per
-    interceptor function; see :func:`key_linen_interceptors`.
+    interceptor function; see [`hx.key_linen_interceptors`][hookax.key_linen_interceptors].
     """
 
 
@@ -115,10 +115,11 @@ def key_linen_interceptors(enabled: bool = True) -> bool:
     Returns:
       The previous setting.
 
-    >>> import hookax as hx
-    >>> previous = hx.key_linen_interceptors()
-    >>> hx.key_linen_interceptors(previous)
-    True
+    Examples:
+      >>> import hookax as hx
+      >>> previous = hx.key_linen_interceptors()
+      >>> hx.key_linen_interceptors(previous)
+      True
     """
     previous, LINEN_KEYED[0] = LINEN_KEYED[0], bool(enabled)
     if "flax.linen" in sys.modules:

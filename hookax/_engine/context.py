@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+from jax._src import core as _jax_core
 
 __all__ = ["ACTIVE", "Context", "Frame", "active_entries", "call_stack", "path_str"]
 
@@ -106,16 +107,56 @@ def call_stack() -> list[Frame]:
 def path_str(path: tuple[Any, ...]) -> str:
     """The string form of a path: keys joined with ``/``.
 
-    >>> path_str(("layers", 0, "attn"))
-    'layers/0/attn'
+    Examples:
+      >>> path_str(("layers", 0, "attn"))
+      'layers/0/attn'
     """
     return "/".join(str(k) for k in path)
+
+
+def current_trace() -> Any:
+    """JAX's current trace (the innermost transform being traced, or the eager one)."""
+    return _jax_core.trace_ctx.trace
+
+
+# What JAX's traces of a scan body say they are traced for (``fori_loop`` with static bounds is
+# a scan; with traced bounds a while loop, whose lowering then reports the layer as unsupported).
+_SCAN_BODIES = frozenset({"scan", "fori_loop"})
+
+
+def _in_linen_scan_prepass() -> bool:
+    """Whether Linen's ``nn.scan`` is running its body under partial evaluation (a first pass
+    that finds the broadcast outputs; the scan itself follows)."""
+    import sys
+
+    f: Any = sys._getframe(2)
+    while f is not None:
+        code = f.f_code
+        if code.co_name == "scan_fn" and code.co_filename.endswith("axes_scan.py"):
+            return True
+        f = f.f_back
+    return False
+
+
+# Set by :mod:`hookax._hooks.layergate`: ``fn(frame) -> traced int | None``.
+layer_of: list[Callable[[Frame], Any]] = [lambda frame: None]
 
 
 class Frame:
     """One call site in progress: a module, a method name, and how to find its path."""
 
-    __slots__ = ("_path", "_paths", "adapter", "context", "method", "module", "parent")
+    __slots__ = (
+        "_path",
+        "_paths",
+        "adapter",
+        "args",
+        "context",
+        "layer",
+        "method",
+        "module",
+        "outer_trace",
+        "parent",
+    )
 
     def __init__(self, module: Any, method: str, parent: Frame | None, adapter: Any) -> None:
         self.module = module
@@ -126,6 +167,27 @@ class Frame:
         self._paths: dict[int, tuple[tuple[Any, ...], Any]] | None = None
         # The call site's Context; set by the dispatcher whenever any scoped entry is active.
         self.context: Context | None = None
+        # The call's (args, kwargs), and its layer index once asked (see Context.layer).
+        self.args: Any = None
+        self.layer: Any = None
+        # The root's: the JAX trace its call started in (a scan entered below it runs layers).
+        self.outer_trace: Any = current_trace() if parent is None else None
+
+    def in_scan(self) -> bool:
+        """Whether this call runs inside a ``lax.scan`` entered within the root's call."""
+        root = self
+        while root.parent is not None:
+            root = root.parent
+        stop = root.outer_trace
+        t = current_trace()
+        while t is not None and t is not stop:
+            info = getattr(getattr(t, "frame", None), "debug_info", None)
+            if getattr(info, "traced_for", None) in _SCAN_BODIES:
+                return True
+            if type(t).__name__ == "JaxprTrace" and _in_linen_scan_prepass():
+                return True
+            t = getattr(t, "parent_trace", None)
+        return False
 
     def _roots(self) -> Iterator[Frame]:
         """Frames whose module is a root for path lookups: innermost local root first."""
@@ -212,6 +274,13 @@ class Context:
     @property
     def key(self) -> str:
         return self._frame.key
+
+    @property
+    def layer(self) -> Any:
+        """The iteration of the scan this call site runs in (one layer of a scanned stack), as a
+        traced ``int32`` scalar; ``None`` when the call site is not inside a ``lax.scan``
+        (``nnx.scan``, ``nn.scan``) entered within the model's call."""
+        return layer_of[0](self._frame)
 
     def __repr__(self) -> str:
         return (

@@ -38,6 +38,22 @@ def _plain(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: d
 run_method: list[Callable[..., Any]] = [_plain]
 
 
+def _no_layers(interceptor: Any, layers: frozenset[int]) -> Any:
+    raise AssertionError("hookax: a layer suffix is active but hookax._hooks is not loaded")
+
+
+# ``layer_gate[0](interceptor, layers)``: the interceptor applied to those scan iterations only
+# (:mod:`hookax._hooks.layergate`).
+layer_gate: list[Callable[..., Any]] = [_no_layers]
+
+
+class _Gated:
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+
 def _no_ops(frame: Any, ctx: Any, entries: list[Any], fn: Any) -> Any:
     raise AssertionError("hookax: an ops= entry is active but hookax._capture.ops is not loaded")
 
@@ -85,14 +101,26 @@ def _run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dic
     if not entries:
         return inner(*args, **kwargs)
     ctx = frame.context = _context.Context(frame, inner)
+    frame.args = (args, kwargs)
     chain = []
+    recorders: list[Any] | None = None
     ops: list[Any] | None = None
     tracking = _trackers()
     for e in entries:
         if e.kind == "intercept":
             hit = e.selector.matches(ctx)
             if hit:
-                chain.append(e)
+                if getattr(e.key, "records_output", False):
+                    # Captures record what the caller received: they run outside every
+                    # interceptor, whichever was entered first.
+                    if recorders is None:
+                        recorders = []
+                    recorders.append(e)
+                elif e.layered:
+                    layers = e.selector.layers(ctx)
+                    chain.append(e if layers is None else _Gated(layer_gate[0](e.fn, layers)))
+                else:
+                    chain.append(e)
             if tracking:
                 _context.note_match(e, ctx, hit)
         elif e.kind == "ops":
@@ -101,6 +129,8 @@ def _run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dic
             ops.append(e)
             if tracking:
                 _context.note_match(e, ctx, e.selector.matches(ctx))
+    if recorders is not None:
+        chain = recorders + chain
     if ops is not None:
         # Operations inside call sites: every call site gets its name-stack scope, and the
         # method of one that an ops= pattern names runs under an OpTrace (``inner`` reads

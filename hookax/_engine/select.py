@@ -10,7 +10,7 @@ import dataclasses
 import functools
 import re
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from .._util.errors import SelectorError
 from .context import path_str
@@ -38,6 +38,14 @@ class Selector:
         """Whether deciding needs the call site's path (which costs a walk of the model)."""
         return False
 
+    def has_layers(self) -> bool:
+        """Whether a path names layers of a scanned stack (``"blocks/attn[3]"``)."""
+        return False
+
+    def layers(self, ctx: Context) -> frozenset[int] | None:
+        """For a call site this selector matches: the scan iterations it picks (None: all)."""
+        return None
+
     def __and__(self, other: Any) -> Selector:
         return _And(self, _coerce(other))
 
@@ -58,14 +66,15 @@ class Selector:
 def glob_to_regex(pattern: str) -> re.Pattern[str]:
     """Compile a path glob: ``*`` stays within one segment, ``**`` spans any number of them.
 
-    >>> bool(glob_to_regex("**/mlp").fullmatch("mlp"))
-    True
-    >>> bool(glob_to_regex("layers/*/attn").fullmatch("layers/3/attn"))
-    True
-    >>> bool(glob_to_regex("layers/*").fullmatch("layers/3/attn"))
-    False
-    >>> bool(glob_to_regex("*").fullmatch(""))  # the root has no segment
-    False
+    Examples:
+      >>> bool(glob_to_regex("**/mlp").fullmatch("mlp"))
+      True
+      >>> bool(glob_to_regex("layers/*/attn").fullmatch("layers/3/attn"))
+      True
+      >>> bool(glob_to_regex("layers/*").fullmatch("layers/3/attn"))
+      False
+      >>> bool(glob_to_regex("*").fullmatch(""))  # the root has no segment
+      False
     """
     segs = pattern.split("/")
     out = ""
@@ -88,11 +97,12 @@ def check_glob(pattern: str) -> None:
     Only ``*`` (within one segment) and ``**`` (a whole segment: any number of segments) are
     special; ``[``, ``?``, ``{`` and empty segments are mistakes (fnmatch or regex habits).
 
-    >>> check_glob("layers/*/attn")
-    >>> check_glob("layers/[")
-    Traceback (most recent call last):
-    ...
-    hookax._util.errors.SelectorError: malformed path glob 'layers/[': ...
+    Examples:
+      >>> check_glob("layers/*/attn")
+      >>> check_glob("layers/[")
+      Traceback (most recent call last):
+      ...
+      hookax._util.errors.SelectorError: malformed path glob 'layers/[': ...
     """
     if pattern and _GLOB_BAD.search(pattern):
         raise SelectorError(
@@ -101,6 +111,40 @@ def check_glob(pattern: str) -> None:
             "'[', ']', '?', '{', '}', '!', '***' and empty segments are not allowed. Fix: e.g. "
             "'layers/*/attn', '**/mlp' or 'layers/0'."
         )
+
+
+_LAYERS = re.compile(r"^(.*[^\]])\[([^\[\]]*)\]$")
+
+
+def split_layers(pattern: str) -> tuple[str, frozenset[int] | None]:
+    """A path glob and the scan iterations its suffix names: ``"blocks/attn[3]"``,
+    ``"blocks/attn[1,3]"``, ``"blocks/attn[2:5]"`` (a range, end excluded).
+
+    Examples:
+      >>> split_layers("blocks/attn[1, 4:6]")
+      ('blocks/attn', frozenset({1, 4, 5}))
+      >>> split_layers("layers/*/attn")
+      ('layers/*/attn', None)
+    """
+    m = _LAYERS.match(pattern)
+    if m is None:
+        return pattern, None
+    glob, spec = m.group(1), m.group(2)
+    picked: set[int] = set()
+    for part in spec.split(","):
+        part = part.strip()
+        bounds = part.split(":")
+        if not part or len(bounds) > 2 or not all(b.strip().isdigit() for b in bounds):
+            raise SelectorError(
+                f"malformed layer suffix in {pattern!r}: write one layer of a scanned stack as "
+                "'blocks/attn[3]', several as '[1,3]' or a range as '[2:5]' (end excluded)."
+            )
+        lo = int(bounds[0])
+        hi = int(bounds[1]) if len(bounds) == 2 else lo + 1
+        picked |= set(range(lo, hi))
+    if not picked:
+        raise SelectorError(f"the layer suffix of {pattern!r} names no layer (an empty range).")
+    return glob, frozenset(picked)
 
 
 def _as_tuple(x: Any) -> tuple[Any, ...] | None:
@@ -118,17 +162,20 @@ class Select(Selector):
       paths: a glob or tuple of globs over the path string (``"layers/*/attn"``, ``"**/mlp"``).
       methods: a method name, a tuple of names, or ``"*"`` for every public method and
         ``__call__``. Left out, the consumer's default applies (every method for
-        :func:`~hookax.intercept`, ``__call__`` for hooks and capture).
+        [`hx.intercept`][hookax.intercept], ``__call__`` for hooks and capture).
 
-    >>> import hookax as hx
-    >>> sel = hx.Select(paths="layers/*") & ~hx.Select(paths="layers/0")
-    >>> sel
-    (Select(paths=('layers/*',)) & ~Select(paths=('layers/0',)))
+    Examples:
+      >>> import hookax as hx
+      >>> sel = hx.Select(paths="layers/*") & ~hx.Select(paths="layers/0")
+      >>> sel
+      (Select(paths=('layers/*',)) & ~Select(paths=('layers/0',)))
     """
 
     types: Any = None
     paths: Any = None
     methods: Any = None
+    # Set per instance in __post_init__: (glob, layers or None) per path. (Not a field.)
+    _parsed: ClassVar[tuple[tuple[str, frozenset[int] | None], ...]] = ()
 
     def __post_init__(self) -> None:
         types, paths, methods = _as_tuple(self.types), _as_tuple(self.paths), self.methods
@@ -142,8 +189,10 @@ class Select(Selector):
                 f"Select(paths=...) takes a glob string or a tuple of them, got {self.paths!r}. "
                 'Fix: Select(paths="layers/*/attn").'
             )
-        for p in paths or ():
-            check_glob(p)
+        parsed = tuple(split_layers(p) for p in paths or ())
+        for glob, _ in parsed:
+            check_glob(glob)
+        object.__setattr__(self, "_parsed", parsed)
         if methods is not None and methods != ALL_METHODS:
             methods = _as_tuple(methods)
             if not all(isinstance(m, str) for m in methods or ()):
@@ -166,7 +215,7 @@ class Select(Selector):
             return False
         if self.paths is not None:
             s = ctx.path_str
-            return any(glob_to_regex(p).fullmatch(s) for p in self.paths)
+            return any(glob_to_regex(g).fullmatch(s) for g, _ in self._parsed)
         return True
 
     def names_methods(self) -> bool:
@@ -174,6 +223,19 @@ class Select(Selector):
 
     def needs_path(self) -> bool:
         return self.paths is not None
+
+    def has_layers(self) -> bool:
+        return any(layers is not None for _, layers in self._parsed)
+
+    def layers(self, ctx: Context) -> frozenset[int] | None:
+        s = ctx.path_str
+        picked: frozenset[int] = frozenset()
+        for glob, layers in self._parsed:
+            if glob_to_regex(glob).fullmatch(s):
+                if layers is None:
+                    return None
+                picked |= layers
+        return picked if self._parsed else None
 
 
 def method_matches(methods: tuple[str, ...] | str, method: str) -> bool:
@@ -210,6 +272,13 @@ class _And(Selector):
     def needs_path(self) -> bool:
         return self.a.needs_path() or self.b.needs_path()
 
+    def has_layers(self) -> bool:
+        return self.a.has_layers() or self.b.has_layers()
+
+    def layers(self, ctx: Context) -> frozenset[int] | None:
+        a, b = self.a.layers(ctx), self.b.layers(ctx)
+        return b if a is None else a if b is None else a & b
+
     def __repr__(self) -> str:
         return f"({self.a!r} & {self.b!r})"
 
@@ -228,6 +297,19 @@ class _Or(Selector):
     def needs_path(self) -> bool:
         return self.a.needs_path() or self.b.needs_path()
 
+    def has_layers(self) -> bool:
+        return self.a.has_layers() or self.b.has_layers()
+
+    def layers(self, ctx: Context) -> frozenset[int] | None:
+        picked: frozenset[int] = frozenset()
+        for sel in (self.a, self.b):
+            if sel.matches(ctx):
+                got = sel.layers(ctx)
+                if got is None:
+                    return None
+                picked |= got
+        return picked
+
     def __repr__(self) -> str:
         return f"({self.a!r} | {self.b!r})"
 
@@ -235,6 +317,13 @@ class _Or(Selector):
 @dataclasses.dataclass(frozen=True)
 class _Not(Selector):
     a: Selector
+
+    def __post_init__(self) -> None:
+        if self.a.has_layers():
+            raise SelectorError(
+                f"~{self.a!r}: a layer suffix cannot be negated (which layers a scan runs is "
+                "known only when it runs). Fix: name the layers you want, e.g. 'blocks/mlp[0:3]'."
+            )
 
     def matches(self, ctx: Context) -> bool:
         return not self.a.matches(ctx)
@@ -263,6 +352,12 @@ class _WithMethods(Selector):
 
     def needs_path(self) -> bool:
         return self.inner is not None and self.inner.needs_path()
+
+    def has_layers(self) -> bool:
+        return self.inner is not None and self.inner.has_layers()
+
+    def layers(self, ctx: Context) -> frozenset[int] | None:
+        return None if self.inner is None else self.inner.layers(ctx)
 
     def __repr__(self) -> str:
         return f"{self.inner!r} (methods {self.methods!r})"
@@ -316,8 +411,9 @@ def _coerce(where: Any) -> Selector:
 def as_selector(where: Any, default_methods: tuple[str, ...] | str) -> Selector:
     """Turn any ``where=`` form into a selector; the default methods apply unless it names some.
 
-    >>> as_selector(None, ("__call__",))
-    None (methods ('__call__',))
+    Examples:
+      >>> as_selector(None, ("__call__",))
+      None (methods ('__call__',))
     """
     if where is None:
         return _WithMethods(None, default_methods)
@@ -330,7 +426,7 @@ def as_selector(where: Any, default_methods: tuple[str, ...] | str) -> Selector:
 def _globs(sel: Any) -> list[str]:
     """The path globs a selector requires to match (not those under ``~``)."""
     if isinstance(sel, Select):
-        return list(sel.paths or ())
+        return [g for g, _ in sel._parsed]
     if isinstance(sel, _And | _Or):
         return _globs(sel.a) + _globs(sel.b)
     if isinstance(sel, _WithMethods):

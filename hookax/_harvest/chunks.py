@@ -203,6 +203,8 @@ class Chunks:
         try:
             fd = os.open(path, flags, 0o644)
         except FileNotFoundError:
+            if not self.folder.is_dir():  # the store was moved or deleted: never recreate it
+                raise
             path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(path, flags, 0o644)
         try:

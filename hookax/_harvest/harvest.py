@@ -11,13 +11,12 @@ import contextlib
 import dataclasses
 import itertools
 import math
-import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from pathlib import Path
 from typing import Any
 
-from .._capture.capture import _DEFAULT, where_and_ops
+from .._capture.capture import _DEFAULT, validate_while_steps, where_and_ops
 from .._util.errors import HookaxError
 
 __all__ = ["Harvest", "harvest"]
@@ -48,6 +47,22 @@ class Harvest:
     resumed_at: int
     bytes: int
     seconds: float
+
+    def describe(self) -> str:
+        """``"100 batches, 51,200 rows, 52.4 MB in 3.2 s (16.4 MB/s)"``: the run in one line
+        (the throughput is of the bytes this run wrote, over its whole time)."""
+        rate = self.bytes / 1e6 / max(self.seconds, 1e-9)
+        resumed = f", resumed at batch {self.resumed_at}" if self.resumed_at else ""
+        return (
+            f"{self.batches} batches, {self.rows:,} rows, {self.bytes / 1e6:.1f} MB in "
+            f"{self.seconds:.1f} s ({rate:.3g} MB/s{resumed})"
+        )
+
+    def __str__(self) -> str:
+        return f"harvest: {self.describe()} -> {self.store}"
+
+    def __repr__(self) -> str:
+        return f"<hx.Harvest {str(self.store)!r}: {self.describe()}; {len(self.names)} arrays>"
 
     def read(self, name: str) -> Any:
         """The rows stored for ``name``, as a numpy array ``(rows, *per-row shape)``."""
@@ -118,6 +133,7 @@ def harvest(
     dtype: Any = None,
     mask: Callable[..., Any] | None = None,
     row_axes: int = 1,
+    while_steps: int | None = None,
     overwrite: bool = False,
     metadata: Any = None,
     progress: bool | None = None,
@@ -128,11 +144,15 @@ def harvest(
     """Run ``fn`` over ``batches`` under jit and append the selected call sites' outputs to disk.
 
     Each batch is ``fn``'s positional arguments (a tuple, or one value). Every captured output
-    (as :func:`hookax.capture` returns it) becomes one zarr v3 array in ``store``, named by its
-    call-site key, with one *row* per entry of its leading ``row_axes`` axes: a ``(batch, seq,
-    d)`` output with ``row_axes=2`` gives ``batch * seq`` rows of ``d`` values. A call site
+    (as [`hx.capture`][hookax.capture] returns it) becomes one zarr v3 array in ``store``, named
+    by its call-site key, with one *row* per entry of its leading ``row_axes`` axes: a ``(batch,
+    seq, d)`` output with ``row_axes=2`` gives ``batch * seq`` rows of ``d`` values. A call site
     inside ``nnx.scan``/``lax.scan`` over layers, whose captured value is stacked ``(layers,
-    batch, ...)``, gives one array per layer, ``key[i]``, with the same rows. Rows of later
+    batch, ...)``, gives one array per layer, ``key[i]``, with the same rows. With
+    ``while_steps=N``, a call site inside a ``lax.while_loop`` (a decode loop) gives one array per
+    iteration, ``key[t]`` for ``t < N``, stacked as [`hx.capture`][hookax.capture] stacks it; rows
+    of iterations the loop did not reach hold NaN, and iterations from ``N`` on are dropped (the
+    step runs under jit, where the count is not known in time to raise). Rows of later
     batches are appended after earlier ones; ``_source`` records each row's batch and position.
 
     Writing overlaps computing: the host copy of a batch starts as soon as its step is
@@ -150,9 +170,9 @@ def harvest(
       fn: an NNX module (jitted with ``nnx.jit``, the module passed as an argument) or any
         function calling modules (jitted with ``jax.jit``).
       batches: an iterable of batches; iterated once.
-      where: which call sites (as :func:`hookax.capture`); default every module's ``__call__``,
-        or none when ``ops=`` is given.
-      ops: operations inside call sites (as :func:`hookax.capture`'s ``ops=``:
+      where: which call sites (as [`hx.capture`][hookax.capture]); default every module's
+        ``__call__``, or none when ``ops=`` is given.
+      ops: operations inside call sites (as [`hx.capture`][hookax.capture]'s ``ops=``:
         ``"layers/*/attn:softmax"``), stored like call-site outputs under their addresses.
       store: the store's folder.
       dtype: store floating outputs in this dtype (cast on the device: ``jnp.bfloat16`` halves
@@ -160,14 +180,18 @@ def harvest(
       mask: ``mask(*batch) -> bool array`` of the row axes' shape: rows where it is False
         (padding) are not stored. Computed inside the jitted step.
       row_axes: how many leading axes of each output are rows (``mask``'s number of axes).
+      while_steps: keep every iteration of each ``lax.while_loop``, up to this many (as
+        [`hx.capture`][hookax.capture]); default the last iteration only.
       overwrite: replace the hookax store at ``store``. Only a hookax store holding nothing but
         what hookax wrote, or an empty folder, is replaced; any other folder (and ``.``, the
         home folder and the folders above them, whatever they hold) raises with every file
         left as it was.
       metadata: JSON-serialisable data kept in the store's ``hookax.json`` (part of what a resumed
         run must match).
-      progress: show a progress bar (rows, MB/s; needs ``rich``); default when stderr is a
-        terminal. Only process 0 shows it.
+      progress: show the progress: a bar on a terminal (with the percentage and the time left
+        when ``batches`` has a length), a line rewritten in place in a notebook, and one final
+        line (``str()`` of the result) on stderr; default on a terminal (stderr) and in a
+        Jupyter kernel. Only process 0 shows it.
       overlap: write on a thread while the next batches compute (``False``: write each batch
         before computing the next; for measuring).
       queue_size: batches that may wait for the writer (each holds its outputs in memory).
@@ -176,41 +200,103 @@ def harvest(
         does a machine that loses power, at several times the cost per byte.
 
     Returns:
-      A :class:`Harvest` with the store's counts; ``.read(name)`` loads an array.
+      A ``Harvest`` with the store's counts; ``.read(name)`` loads an array.
 
     Raises:
       HookaxError: the store holds another harvest; an output whose leading axes are not the
         batch's rows; a write failed (the store stays valid: rerun to resume).
 
-    >>> import tempfile
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu)
-    >>> data = [jnp.full((2, 4), float(i)) for i in range(3)]
-    >>> store = tempfile.mkdtemp() + "/acts"
-    >>> h = hx.harvest(model, data, where="layers/0", store=store, dtype=jnp.bfloat16)
-    >>> h.rows, h.read("layers/0").shape, str(h.read("layers/0").dtype)
-    (6, (6, 8), 'bfloat16')
+    Examples:
+      >>> import tempfile
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu)
+      >>> data = [jnp.full((2, 4), float(i)) for i in range(3)]
+      >>> store = tempfile.mkdtemp() + "/acts"
+      >>> h = hx.harvest(model, data, where="layers/0", store=store, dtype=jnp.bfloat16)
+      >>> h.rows, h.read("layers/0").shape, str(h.read("layers/0").dtype)
+      (6, (6, 8), 'bfloat16')
     """
     t0 = time.perf_counter()
     import jax
 
-    from .step import Step, as_args, leaf_specs
-    from .store import META, Store, check_path, describe, import_tensorstore
-    from .write import Writer, start_transfers
+    from .faults import store_faults
+    from .progress import Progress, shown
+    from .store import check_path, import_tensorstore
 
     import_tensorstore()
     if row_axes < 1:
         raise HookaxError(f"hx.harvest: row_axes must be at least 1, got {row_axes}")
+    bound = validate_while_steps(while_steps, "hx.harvest")
     path = Path(store)
     check_path(path, overwrite=overwrite)  # a folder hookax may not write: refused before any work
+    total = len(batches) if isinstance(batches, Sized) else None
     it = iter(batches)
     first = next(it, None)
     if first is None:
         raise HookaxError("hx.harvest: batches is empty: there is nothing to harvest.")
+    plan = _plan(fn, first, path, where, ops, dtype, mask, row_axes, overwrite, metadata, bound)
+    process, processes = jax.process_index(), jax.process_count()
+    s, start = _open_store(path, plan, overwrite, fsync, process, processes)
+    bar = Progress(shown(progress) and process == 0, total, start)
+    writer = _writer(s, plan, start, bar, processes == 1)
+    if overlap:
+        writer.start(queue_size)
+    count = _write_batches(plan, itertools.chain([first], it), start, s, writer, bar)
+    _barrier("written")
+    batches_done, rows = max(count, start), writer.rows
+    if process == 0:
+        with store_faults(path, batches_done, batches_done):
+            s.finish(batches_done, rows)
+    _barrier("finished")
+    h = Harvest(
+        path,
+        tuple(leaf.name for leaf in plan.leaves),
+        batches_done,
+        rows,
+        start,
+        writer.bytes,
+        time.perf_counter() - t0,
+    )
+    bar.finish(str(h))
+    return h
+
+
+@dataclasses.dataclass
+class _Plan:
+    """What a run stores, found from its first batch: the jitted step, the stored leaves, the
+    rows of a batch, the store's description, and batch 0's outputs when already computed."""
+
+    step: Any
+    leaves: list[Any]
+    row_axes: int
+    batch_rows: int
+    desc: dict[str, Any]
+    early: Any  # (values, mask) of batch 0, or None
+
+
+def _plan(
+    fn: Callable[..., Any],
+    first: Any,
+    path: Path,
+    where: Any,
+    ops: Any,
+    dtype: Any,
+    mask: Callable[..., Any] | None,
+    row_axes: int,
+    overwrite: bool,
+    metadata: Any,
+    bound: int | None = None,
+) -> _Plan:
+    """Trace the step on the first batch: what the store holds. A new store computes batch 0
+    meanwhile (it is written first); a store to resume only needs the shapes."""
+    from .step import Step, as_args, leaf_specs
+    from .store import META, describe
+    from .write import start_transfers
+
     where, patterns = where_and_ops(where, ops, "hx.harvest")
-    step = Step.cached(fn, where, patterns, dtype, mask, row_axes, as_args(first))
+    step = Step.cached(fn, where, patterns, dtype, mask, row_axes, as_args(first), bound)
     early = None
     if overwrite or not (path / META).exists():  # a new store: batch 0 computes meanwhile
         early = step(*as_args(first))
@@ -226,50 +312,80 @@ def harvest(
     desc = describe(
         leaves,
         model=_describe_fn(fn),
-        where=_describe_where(where) + (f" ops={[p.text for p in patterns]!r}" if patterns else ""),
+        where=_describe_where(where)
+        + (f" ops={[p.text for p in patterns]!r}" if patterns else "")
+        + (f" while_steps={bound}" if bound is not None else ""),
         row_axes=row_axes,
         masked=mask is not None,
         user=metadata,
     )
-    process, processes = jax.process_index(), jax.process_count()
-    batch_rows = int(math.prod(rows_shape))
-    Store.prepare(
-        path,
-        desc,
-        overwrite=overwrite,
-        create=process == 0,
-        batch_rows=batch_rows,
-        batches_per_chunk=1 if processes > 1 else BATCHES_PER_CHUNK,
-    )
-    _barrier("created")
-    Store.prepare(path, desc, overwrite=False, create=False)  # every process checks it
+    return _Plan(step, leaves, row_axes, int(math.prod(rows_shape)), desc, early)
+
+
+def _open_store(
+    path: Path, plan: _Plan, overwrite: bool, fsync: bool, process: int, processes: int
+) -> tuple[Any, int]:
+    """Create or check the store (process 0 creates it, every process checks it), open it and
+    return it with the batches already committed, where this run starts."""
     import json
 
-    s = Store(path, json.loads((path / META).read_text()), process, fsync)
-    s.open()
-    start = s.committed()
-    s.commit(start)
+    from .faults import store_faults
+    from .store import META, Store
+
+    with store_faults(path, 0, None):
+        Store.prepare(
+            path,
+            plan.desc,
+            overwrite=overwrite,
+            create=process == 0,
+            batch_rows=plan.batch_rows,
+            batches_per_chunk=1 if processes > 1 else BATCHES_PER_CHUNK,
+        )
+    _barrier("created")
+    with store_faults(path, 0, None):
+        Store.prepare(path, plan.desc, overwrite=False, create=False)  # every process checks it
+        s = Store(path, json.loads((path / META).read_text()), process, fsync)
+        s.open()
+        start = s.committed()
+    with store_faults(path, start, start):
+        s.commit(start)
     _barrier("resumed")
     if process == 0:
         s.drop_other_progress(processes)
-    show = sys.stderr.isatty() if progress is None else progress
-    bar = _Progress(show and process == 0)
-    leaf_map = {leaf.name: leaf for leaf in leaves}
-    base = s.rows_before(start)
-    writer = Writer(s, leaf_map, row_axes, base, bar, direct=processes == 1, batches=start)
-    if overlap:
-        writer.start(queue_size)
+    return s, start
+
+
+def _writer(s: Any, plan: _Plan, start: int, bar: Any, direct: bool) -> Any:
+    """The writer appending after the ``start`` batches committed (not started yet)."""
+    from .faults import store_faults
+    from .write import Writer
+
+    leaf_map = {leaf.name: leaf for leaf in plan.leaves}
+    with store_faults(s.path, start, start):
+        base = s.rows_before(start)
+        return Writer(s, leaf_map, plan.row_axes, base, bar, direct=direct, batches=start)
+
+
+def _write_batches(
+    plan: _Plan, batches: Iterable[Any], start: int, s: Any, writer: Any, bar: Any
+) -> int:
+    """Compute every batch from ``start`` on and hand it to the writer; returns how many
+    batches there were. On any error, or Ctrl-C, what was handed over is committed first."""
+    from .step import as_args
+    from .write import start_transfers
+
     count = 0
+    early, plan.early = plan.early, None  # batch 0's outputs: kept only until written
     with bar:
         try:
-            for i, batch in enumerate(itertools.chain([first], it)):
+            for i, batch in enumerate(batches):
                 count = i + 1
                 if i < start:
                     continue
                 if i == 0 and early is not None:
                     values, m = early
                 else:
-                    values, m = step(*as_args(batch))
+                    values, m = plan.step(*as_args(batch))
                     start_transfers(values, m)
                 early = None
                 writer.put((i, values, m))
@@ -282,51 +398,4 @@ def harvest(
             writer.close()
         finally:
             s.close()
-    _barrier("written")
-    batches_done, rows = max(count, start), writer.rows
-    if process == 0:
-        s.finish(batches_done, rows)
-    _barrier("finished")
-    return Harvest(
-        path,
-        tuple(leaf.name for leaf in leaves),
-        batches_done,
-        rows,
-        start,
-        writer.bytes,
-        time.perf_counter() - t0,
-    )
-
-
-class _Progress:
-    """A rich progress bar of batches, rows and MB/s; nothing when off."""
-
-    def __init__(self, on: bool) -> None:
-        self.on = on
-        self._bar: Any = None
-        self._t0 = time.perf_counter()
-
-    def __enter__(self) -> _Progress:
-        if self.on:
-            from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
-            self._bar = Progress(
-                SpinnerColumn(),
-                TextColumn("harvest: batch {task.completed}"),
-                TextColumn("{task.fields[rows]:,} rows"),
-                TextColumn("{task.fields[mbs]:.1f} MB/s"),
-                TimeElapsedColumn(),
-                transient=False,
-            )
-            self._bar.start()
-            self._task = self._bar.add_task("harvest", total=None, rows=0, mbs=0.0)
-        return self
-
-    def __call__(self, batches: int, rows: int, written: int) -> None:
-        if self._bar is not None:
-            mbs = written / 1e6 / max(time.perf_counter() - self._t0, 1e-9)
-            self._bar.update(self._task, completed=batches, rows=rows, mbs=mbs)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._bar is not None:
-            self._bar.stop()
+    return count

@@ -1,16 +1,17 @@
 """``hx.open_store``: a harvest store opened for reading (names, per-row shapes, rows as arrays).
 
->>> import tempfile, jax.numpy as jnp
->>> from flax import nnx
->>> import hookax as hx
->>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu)
->>> path = tempfile.mkdtemp() + "/acts"
->>> _ = hx.harvest(model, [jnp.ones((3, 4))] * 2, where="layers/0", store=path)
->>> s = hx.open_store(path)
->>> s.names, s.rows, s.shapes["layers/0"], str(s.dtypes["layers/0"])
-(('layers/0',), 6, (8,), 'float32')
->>> s.read("layers/0", 2, 4).shape
-(2, 8)
+Examples:
+  >>> import tempfile, jax.numpy as jnp
+  >>> from flax import nnx
+  >>> import hookax as hx
+  >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), nnx.relu)
+  >>> path = tempfile.mkdtemp() + "/acts"
+  >>> _ = hx.harvest(model, [jnp.ones((3, 4))] * 2, where="layers/0", store=path)
+  >>> s = hx.open_store(path)
+  >>> s.names, s.rows, s.shapes["layers/0"], str(s.dtypes["layers/0"])
+  (('layers/0',), 6, (8,), 'float32')
+  >>> s.read("layers/0", 2, 4).shape
+  (2, 8)
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ __all__ = ["ActivationStore", "open_store"]
 
 
 class ActivationStore:
-    """A harvest store opened for reading. Use :func:`open_store`.
+    """A harvest store opened for reading. Use [`hx.open_store`][hookax.open_store].
 
     Attributes:
       path: the store's folder.
-      names: the stored values' names (call-site keys, as :class:`hookax.harvest` names them).
+      names: the stored values' names (call-site keys, as [`hx.harvest`][hookax.harvest] names
+        them).
       shapes: each name's per-row shape.
       dtypes: each name's numpy dtype.
       rows: committed rows (every array has this many).
@@ -64,7 +66,7 @@ class ActivationStore:
 
     def array(self, name: str) -> Any:
         """The TensorStore handle of ``name`` (lazy: a slice reads only the chunks it touches).
-        Its length may pass :attr:`rows` while the store is being written."""
+        Its length may pass ``rows`` while the store is being written."""
         self._check(name)
         return self._store.arrays[name]
 
@@ -92,14 +94,14 @@ class ActivationStore:
 
 
 def open_store(path: str | Path) -> ActivationStore:
-    """Open a :func:`hookax.harvest` store for reading.
+    """Open a [`hx.harvest`][hookax.harvest] store for reading.
 
     Args:
       path: the store's folder.
 
     Returns:
-      An :class:`ActivationStore`: ``names``, ``shapes``, ``dtypes``, ``rows``, ``read(name,
-      start, stop)`` and TensorStore handles (``array(name)``).
+      An [`hx.ActivationStore`][hookax.ActivationStore]: ``names``, ``shapes``, ``dtypes``,
+      ``rows``, ``read(name, start, stop)`` and TensorStore handles (``array(name)``).
 
     Raises:
       HookaxError: ``path`` is not a harvest store.

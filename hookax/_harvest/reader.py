@@ -218,7 +218,8 @@ class StoreReader:
     accelerator they are copied to its memory once each, and batches are gathered there.
 
     Args:
-      store: a store's folder or an :class:`ActivationStore` (:func:`hookax.open_store`).
+      store: a store's folder or an [`hx.ActivationStore`][hookax.ActivationStore]
+        ([`hx.open_store`][hookax.open_store]).
       names: a name (batches are arrays) or a sequence of names (batches are dicts).
       batch_size: rows per batch.
       seed: the shuffle's seed.
@@ -241,22 +242,23 @@ class StoreReader:
         fewer rows than ``batch_size``.
       MissingExtraError: grain is not installed (``pip install "hookax[data]"``).
 
-    >>> import tempfile, jax.numpy as jnp, numpy as np
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)))
-    >>> path = tempfile.mkdtemp() + "/acts"
-    >>> data = [jnp.arange(12.0).reshape(3, 4) + i for i in range(4)]
-    >>> _ = hx.harvest(model, data, where="layers/0", store=path)
-    >>> reader = hx.StoreReader(path, "layers/0", batch_size=4, seed=0, epochs=1)
-    >>> len(reader), next(reader).shape
-    (3, (4, 8))
-    >>> state = reader.get_state()
-    >>> rest = [np.asarray(b) for b in reader]
-    >>> again = hx.StoreReader(path, "layers/0", batch_size=4, seed=0, epochs=1)
-    >>> again.set_state(state)
-    >>> all((np.asarray(a) == b).all() for a, b in zip(again, rest))
-    True
+    Examples:
+      >>> import tempfile, jax.numpy as jnp, numpy as np
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)))
+      >>> path = tempfile.mkdtemp() + "/acts"
+      >>> data = [jnp.arange(12.0).reshape(3, 4) + i for i in range(4)]
+      >>> _ = hx.harvest(model, data, where="layers/0", store=path)
+      >>> reader = hx.StoreReader(path, "layers/0", batch_size=4, seed=0, epochs=1)
+      >>> len(reader), next(reader).shape
+      (3, (4, 8))
+      >>> state = reader.get_state()
+      >>> rest = [np.asarray(b) for b in reader]
+      >>> again = hx.StoreReader(path, "layers/0", batch_size=4, seed=0, epochs=1)
+      >>> again.set_state(state)
+      >>> all((np.asarray(a) == b).all() for a, b in zip(again, rest))
+      True
     """
 
     def __init__(
@@ -492,7 +494,8 @@ class StoreReader:
         }
 
     def set_state(self, state: dict[str, Any]) -> None:
-        """Continue from a :meth:`get_state` of a reader with the same arguments."""
+        """Continue from a [`get_state`][hookax.StoreReader.get_state] of a reader with the same
+        arguments."""
         mine = self.get_state()
         diff = [k for k in mine if k != "next_batch" and state.get(k) != mine[k]]
         if diff:

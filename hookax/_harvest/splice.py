@@ -19,7 +19,7 @@ __all__ = ["Splice", "splice_eval"]
 
 @dataclasses.dataclass(frozen=True)
 class Splice:
-    """What :func:`splice_eval` measured, averaged over the batches.
+    """What [`hx.splice_eval`][hookax.splice_eval] measured, averaged over the batches.
 
     Attributes:
       loss: the model's own loss.
@@ -79,7 +79,7 @@ def splice_eval(
     Three jitted losses over every batch: the model's own; with each selected call site's output
     replaced by ``replace(output)`` (a sparse autoencoder's reconstruction); and with it replaced
     by zeros. ``replace`` is traced into the program, its arrays as constants (compiled once per
-    :func:`splice_eval` call).
+    [`hx.splice_eval`][hookax.splice_eval] call).
 
     Args:
       loss_fn: ``loss_fn(model, batch)``: a scalar mean loss (batches count equally), or a
@@ -87,29 +87,31 @@ def splice_eval(
       model: the model, passed to ``loss_fn`` as an argument (``nnx.jit`` for an NNX module,
         ``eqx.filter_jit`` otherwise: any pytree, such as Linen variables).
       batches: an iterable of batches; iterated once.
-      where: the call site(s) to replace (as :func:`hookax.hooks`: its ``__call__``).
+      where: the call site(s) to replace (as [`hx.hooks`][hookax.hooks]: its ``__call__``).
       replace: ``replace(output) -> new output`` of the same shape.
 
     Returns:
-      A :class:`Splice` with the three losses and the fraction recovered.
+      A [`hx.Splice`][hookax.Splice] with the three losses and the fraction recovered.
 
     Raises:
       SelectorError: ``where=`` matches no call site that ``loss_fn`` runs (from
-        :func:`hookax.hooks`, naming the call sites that ran).
+        [`hx.hooks`][hookax.hooks], naming the call sites that ran).
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> rngs = nnx.Rngs(0)
-    >>> model = nnx.Sequential(nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 1, rngs=rngs))
-    >>> def loss_fn(model, x):
-    ...     return ((model(x) - 1.0) ** 2).mean()
-    >>> batches = [jnp.ones((8, 4)) * i for i in range(3)]
-    >>> r = hx.splice_eval(loss_fn, model, batches, where="layers/0", replace=lambda y: y)
-    >>> r.recovered, r.spliced_loss == r.loss
-    (1.0, True)
-    >>> hx.splice_eval(loss_fn, model, batches, where="layers/0", replace=lambda y: 0 * y).recovered
-    0.0
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> rngs = nnx.Rngs(0)
+      >>> model = nnx.Sequential(nnx.Linear(4, 4, rngs=rngs), nnx.Linear(4, 1, rngs=rngs))
+      >>> def loss_fn(model, x):
+      ...     return ((model(x) - 1.0) ** 2).mean()
+      >>> batches = [jnp.ones((8, 4)) * i for i in range(3)]
+      >>> r = hx.splice_eval(loss_fn, model, batches, where="layers/0", replace=lambda y: y)
+      >>> r.recovered, r.spliced_loss == r.loss
+      (1.0, True)
+      >>> zero = hx.splice_eval(loss_fn, model, batches, where="layers/0", replace=lambda y: 0 * y)
+      >>> zero.recovered
+      0.0
     """
     import jax
     import jax.numpy as jnp

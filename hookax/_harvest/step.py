@@ -66,39 +66,52 @@ def as_args(batch: Any) -> tuple[Any, ...]:
 
 
 def _scans(axes: tuple[tuple[str, Any], ...]) -> int:
-    """How many leading axes of a captured value scans stacked on it (``axes`` innermost
-    first, as :class:`hookax._transforms.tags.Record` keeps them; ``cond`` and ``while`` add
-    none). Only the outermost run of scans counts: a ``shard_map`` axis is not a layer axis."""
+    """How many leading axes of a captured value scans (and ``while`` loops with
+    ``while_steps=``) stacked on it (``axes`` innermost first, as
+    :class:`hookax._transforms.tags.Record` keeps them; ``cond`` and an unbounded ``while`` add
+    none). Only the outermost run counts: a ``shard_map`` axis is not a layer axis."""
     n = 0
-    for kind, _ in reversed(axes):
-        if kind in ("cond", "while"):
+    for kind, size in reversed(axes):
+        if kind == "cond" or (kind == "while" and size is None):
             continue
-        if kind != "scan":
+        if kind not in ("scan", "while"):
             break
         n += 1
     return n
 
 
 def _outputs(
-    f: Any, where: Any, ops: tuple[Any, ...], args: tuple[Any, ...]
+    f: Any, where: Any, ops: tuple[Any, ...], args: tuple[Any, ...], while_steps: int | None = None
 ) -> list[tuple[str, Origin, Any]]:
     """``(name, origin, value)`` for every array leaf of every selected call's output, as
     :func:`hookax.capture` collects them, and how many scan axes lead each."""
-    from .._capture.capture import session
+    from .._capture.capture import layer_keys, layer_split, session
 
-    s = session("hx.harvest", where, f, args, {}, ops=ops)
+    s = session("hx.harvest", where, f, args, {}, ops=ops, while_steps=while_steps)
     s.run(f, *args)
-    calls: dict[str, list[Any]] = {k: [] for k in s.session.starts}
+    layered = s.session.layered
+    calls: dict[str, list[Any]] = {
+        k: [] for start in s.session.starts for k in layer_keys(start, layered)
+    }
     for r in s.session.records:
-        calls.setdefault(r.key, []).append(r)
+        # One layer of a scanned call site ("blocks/up[2]"): that layer's value, one scan less.
+        axes = _without_inner_scan(r.axes) if r.key in layered else r.axes
+        for key, value in layer_split(r.key, r.output(), r.axes, layered):
+            calls.setdefault(key, []).append((value, axes))
     out = []
     for key, records in calls.items():
-        for call, r in enumerate(records):
-            for path, leaf in jax.tree_util.tree_flatten_with_path(r.output())[0]:
+        for call, (value, axes) in enumerate(records):
+            for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
                 part = jax.tree_util.keystr(path)
                 name = key + (f"#{call}" if len(records) > 1 else "") + part
-                out.append((name, Origin(key, call, part, _scans(r.axes)), leaf))
+                out.append((name, Origin(key, call, part, _scans(axes)), leaf))
     return out
+
+
+def _without_inner_scan(axes: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, Any], ...]:
+    kinds = [kind for kind, _ in axes]
+    i = kinds.index("scan")
+    return axes[:i] + axes[i + 1 :]
 
 
 def row_shape(shapes: list[tuple[tuple[int, ...], int]], row_axes: int) -> tuple[int, ...]:
@@ -151,13 +164,14 @@ class Step:
         mask: Callable[..., Any] | None,
         row_axes: int,
         first: tuple[Any, ...],
+        while_steps: int | None = None,
     ) -> None:
         self.origin: dict[str, Origin] = {}
         whole = replication(first)
 
         def body(f: Any, *args: Any) -> tuple[dict[str, Any], Any]:
             values = {}
-            for name, origin, v in _outputs(f, where, ops, args):
+            for name, origin, v in _outputs(f, where, ops, args, while_steps):
                 self.origin[name] = origin
                 values[name] = _cast(v, dtype)
             if mask is None:
@@ -187,6 +201,7 @@ class Step:
         mask: Callable[..., Any] | None,
         row_axes: int,
         first: tuple[Any, ...],
+        while_steps: int | None = None,
     ) -> Step:
         """The step of an earlier run with the same arguments (its compilations kept), or a
         new one. Objects are compared by identity, and kept alive by the cache."""
@@ -195,11 +210,20 @@ class Step:
 
         # compares by value
         selector = where if where is _NO_SITES else as_selector(where, CALL_ONLY)
-        key = (id(fn), selector, ops, str(dtype), id(mask), row_axes, replication(first))
+        key = (
+            id(fn),
+            selector,
+            ops,
+            str(dtype),
+            id(mask),
+            row_axes,
+            replication(first),
+            while_steps,
+        )
         hit = _CACHE.get(key)
         if hit is not None and hit[0] is fn and hit[1] is mask:
             return hit[2]
-        step = cls(fn, where, ops, dtype, mask, row_axes, first)
+        step = cls(fn, where, ops, dtype, mask, row_axes, first, while_steps)
         _CACHE[key] = (fn, mask, step)
         while len(_CACHE) > 4:
             del _CACHE[next(iter(_CACHE))]

@@ -28,6 +28,7 @@ writing a batch twice writes the same bytes: that is what makes a resumed run en
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -36,9 +37,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .._util.errors import HookaxError
+from .._util.errors import HookaxError, StoreError
+from .faults import fault
 
-__all__ = ["FORMAT", "Store", "check_path", "import_tensorstore"]
+__all__ = ["FORMAT", "Store", "check_path", "committed_batches", "import_tensorstore"]
 
 FORMAT = "hookax.harvest/1"
 META = "hookax.json"
@@ -278,15 +280,7 @@ class Store:
 
     def committed(self) -> int:
         """Batches committed by every process (the store's valid prefix)."""
-        counts = []
-        prog = self.path / "progress"
-        if prog.is_dir():
-            for f in prog.glob("*.json"):
-                if (count := _read_progress(f)) is not None:
-                    counts.append(count)
-        if counts:
-            return min(counts)
-        return int(json.loads((self.path / META).read_text())["batches"])
+        return committed_batches(self.path)
 
     def rows_before(self, batch: int) -> int:
         """Rows of batches ``0 .. batch-1``."""
@@ -368,6 +362,20 @@ class Store:
         shutil.rmtree(self.path / "progress", ignore_errors=True)
 
 
+def committed_batches(path: Path) -> int:
+    """Batches committed by every process in the store ``path`` (its valid prefix); reads only
+    its small files (no TensorStore)."""
+    counts = []
+    prog = path / "progress"
+    if prog.is_dir():
+        for f in prog.glob("*.json"):
+            if (count := _read_progress(f)) is not None:
+                counts.append(count)
+    if counts:
+        return min(counts)
+    return int(json.loads((path / META).read_text())["batches"])
+
+
 def check_path(path: Path, *, overwrite: bool) -> str:
     """What ``path`` is, for a harvest about to write there: ``"new"`` (absent), ``"empty"``,
     ``"store"`` (a hookax store, holding only what hookax writes); anything else raises
@@ -387,12 +395,15 @@ def check_path(path: Path, *, overwrite: bool) -> str:
                 f"store={str(path / 'acts.zarr')!r} (a new folder)."
             )
     if not path.exists() and not path.is_symlink():
+        _check_creatable(path)
         return "new"
     if not path.is_dir():
-        raise HookaxError(
+        raise StoreError(
             f"hx.harvest: store={str(path)!r} is a file, not a folder. Nothing was written. Fix: "
             f"give the path of a new folder."
         )
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise fault(path, _not_writable(path), 0, 0, before=True)
     entries = sorted(p.name for p in path.iterdir())
     if not entries:
         return "empty"
@@ -412,6 +423,26 @@ def check_path(path: Path, *, overwrite: bool) -> str:
         f"of its own, and overwrite=True replaces only those. Nothing was written or deleted. "
         f"Fix: give a new store=PATH (for example {str(path / 'acts.zarr')!r})."
     )
+
+
+def _check_creatable(path: Path) -> None:
+    """Refuse, before any work, a new store that cannot be created: a file on its path, or a
+    folder above it that this process may not write."""
+    above = path.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        e = NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(above))
+        raise fault(path, e, 0, 0, before=True)
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise fault(path, _not_writable(above), 0, 0, before=True)
+
+
+def _not_writable(folder: Path) -> OSError:
+    """The error that writing into ``folder`` would meet (``os.access`` said it would fail)."""
+    read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    code = errno.EROFS if read_only else errno.EACCES
+    return OSError(code, os.strerror(code), str(folder))
 
 
 def _listing(names: list[str], most: int = 5) -> str:

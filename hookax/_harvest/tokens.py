@@ -6,17 +6,18 @@ or ``lengths``), or a ``.jsonl`` file with one sequence of token ids per line. E
 the same shape ``(batch_size, seq_len)`` (so the jitted step compiles once), padded with
 ``pad_id``, with a boolean mask that is False on padding; harvest's ``mask=`` drops those rows.
 
->>> import pathlib, tempfile, numpy as np
->>> path = pathlib.Path(tempfile.mkdtemp()) / "t.jsonl"
->>> _ = path.write_text("[5, 6, 7]\\n[8]\\n[9, 10]\\n")
->>> batches = list(token_batches(path, batch_size=2, seq_len=3))
->>> batches[0]
-(array([[5, 6, 7],
-       [8, 0, 0]], dtype=int32), array([[ True,  True,  True],
-       [ True, False, False]]))
->>> batches[1][0], batches[1][1].sum()  # the last batch is padded with empty sequences
-(array([[ 9, 10,  0],
-       [ 0,  0,  0]], dtype=int32), np.int64(2))
+Examples:
+  >>> import pathlib, tempfile, numpy as np
+  >>> path = pathlib.Path(tempfile.mkdtemp()) / "t.jsonl"
+  >>> _ = path.write_text("[5, 6, 7]\\n[8]\\n[9, 10]\\n")
+  >>> batches = list(token_batches(path, batch_size=2, seq_len=3))
+  >>> batches[0]
+  (array([[5, 6, 7],
+         [8, 0, 0]], dtype=int32), array([[ True,  True,  True],
+         [ True, False, False]]))
+  >>> batches[1][0], batches[1][1].sum()  # the last batch is padded with empty sequences
+  (array([[ 9, 10,  0],
+         [ 0,  0,  0]], dtype=int32), np.int64(2))
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def token_batches(
     pad_id: int = 0,
     dtype: Any = np.int32,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Batches ``(tokens, mask)`` of a token file, for :func:`hookax.harvest`.
+    """Batches ``(tokens, mask)`` of a token file, for [`hx.harvest`][hookax.harvest].
 
     Sequences longer than ``seq_len`` are cut into consecutive pieces of ``seq_len`` tokens
     (no token is dropped); shorter ones are padded with ``pad_id`` and masked out. The last
@@ -131,7 +132,7 @@ def token_batches(
                    mask=lambda tokens, mask: mask, row_axes=2, store=...)
 
     Args:
-      path: a ``.npy``, ``.npz`` or ``.jsonl`` file (:func:`read_sequences` says what each holds).
+      path: a ``.npy``, ``.npz`` or ``.jsonl`` file (``read_sequences`` says what each holds).
       batch_size: sequences per batch.
       seq_len: tokens per sequence; default the longest sequence of the file.
       pad_id: the token id written where there is no token (the mask is False there).
@@ -189,6 +190,9 @@ class TokenBatches:
 
     def __iter__(self) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         return iter(self.batches)
+
+    def __len__(self) -> int:  # the progress bar's total
+        return len(self.batches)
 
 
 class TokenModel:

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .._util.errors import HookaxError
+from .faults import fault, is_fault
 
 __all__ = ["Writer", "start_transfers"]
 
@@ -83,6 +84,7 @@ class Writer:
     ) -> None:
         self.store, self.leaves, self.row_axes = store, leaves, row_axes
         self.rows, self.bytes = base, 0
+        self.committed = batches  # batches committed in the store
         # the step's outputs: their stored leaves, and the shape of their leading scan axes
         self.sources: dict[str, list[Any]] = {}
         for leaf in leaves.values():
@@ -164,13 +166,14 @@ class Writer:
         except HookaxError:
             raise
         except Exception as e:
-            committed = self.store.committed()
+            if is_fault(e):
+                raise fault(self.store.path, e, index, self.committed) from e
             raise HookaxError(
                 f"hx.harvest: writing batch {index} to the store {str(self.store.path)!r} "
                 f"failed: {type(e).__name__}: {e}. The store is valid: it holds the "
-                f"{committed} batches committed before ({self.rows} rows); the rows of batch "
-                f"{index} are not committed. Fix the cause (free disk space, permissions), then "
-                f"run hx.harvest again with the same arguments: it resumes at batch {committed}."
+                f"{self.committed} batches committed before ({self.rows} rows); the rows of "
+                f"batch {index} are not committed. Fix the cause, then run again with the same "
+                f"arguments: it resumes at batch {self.committed}."
             ) from e
         self.busy += time.perf_counter() - t0
 
@@ -212,6 +215,7 @@ class Writer:
             self.bytes += f.result()
         self.rows += n
         self.store.commit(index + 1)
+        self.committed = index + 1
         self.on_commit(index + 1, self.rows, self.bytes)
 
     def _pool(self) -> concurrent.futures.ThreadPoolExecutor:

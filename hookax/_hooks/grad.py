@@ -98,16 +98,17 @@ def hook_grad(x: Any, fn: Callable[[Any], Any]) -> Any:
     PyTorch's order, nest in reverse (``hook_grad(hook_grad(x, g), f)``) or compose in one hook
     (``hook_grad(x, lambda c: g(f(c)))``).
 
-    >>> import jax, jax.numpy as jnp
-    >>> import hookax as hx
-    >>> jax.grad(lambda x: hx.hook_grad(x * x, lambda g: g * 10))(3.0)
-    Array(60., dtype=float32, weak_type=True)
-    >>> order = []
-    >>> f = lambda g: order.append("f")
-    >>> g = lambda g: order.append("g")
-    >>> _ = jax.grad(lambda x: hx.hook_grad(hx.hook_grad(x, f), g))(1.0)
-    >>> order  # the outer hook first
-    ['g', 'f']
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import hookax as hx
+      >>> jax.grad(lambda x: hx.hook_grad(x * x, lambda g: g * 10))(3.0)
+      Array(60., dtype=float32, weak_type=True)
+      >>> order = []
+      >>> f = lambda g: order.append("f")
+      >>> g = lambda g: order.append("g")
+      >>> _ = jax.grad(lambda x: hx.hook_grad(hx.hook_grad(x, f), g))(1.0)
+      >>> order  # the outer hook first
+      ['g', 'f']
     """
     tree = _Tree(x)
     if not any(tree.mask):

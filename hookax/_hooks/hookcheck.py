@@ -21,9 +21,10 @@ def hook_name(fn: Any) -> str:
 def describe(x: Any) -> str:
     """A short type description of a value: ``float32[4,3]``, ``None``, ``int``.
 
-    >>> import jax.numpy as jnp
-    >>> describe(jnp.zeros((4, 3)))
-    'float32[4,3]'
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> describe(jnp.zeros((4, 3)))
+      'float32[4,3]'
     """
     if x is None:
         return "None"
@@ -110,12 +111,13 @@ def check_arity(fn: Any, kind: str, with_kwargs: bool, api: str, where: str) -> 
       api: the public function it was given to, e.g. ``"register_forward_hook"``.
       where: the call sites it was registered for, e.g. ``"'layers/0' (Linear.__call__)"``.
 
-    >>> check_arity(lambda m, a, o: None, "forward", False, "register_forward_hook", "'' (M)")
-    >>> try:
-    ...     check_arity(lambda m, a: None, "forward", False, "register_forward_hook", "'' (M)")
-    ... except HookError as e:
-    ...     print(str(e).split(", but")[0])
-    hx.register_forward_hook: hook <lambda> has the signature (m, a)
+    Examples:
+      >>> check_arity(lambda m, a, o: None, "forward", False, "register_forward_hook", "'' (M)")
+      >>> try:
+      ...     check_arity(lambda m, a: None, "forward", False, "register_forward_hook", "'' (M)")
+      ... except HookError as e:
+      ...     print(str(e).split(", but")[0])
+      hx.register_forward_hook: hook <lambda> has the signature (m, a)
     """
     try:
         sig = inspect.signature(fn)

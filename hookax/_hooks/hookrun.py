@@ -9,14 +9,16 @@ after the method returns: a pre-hook that removes a forward hook stops it in the
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 from .._engine import context as _context
 from .._engine import dispatch as _dispatch
-from .._util.errors import HookError, add_note
+from .._util.errors import HookError, SelectorError, add_note
 from . import hooks as _hooks
+from . import layergate as _layergate
 from .grad import wrap_site
 from .hookcheck import hook_name
 
@@ -42,7 +44,10 @@ def _collect(frame: _context.Frame) -> dict[str, list[Rec]] | None:
             if tracking and ctx is not None:
                 _context.note_match(e, ctx, hit)
             if hit:
+                layers = e.selector.layers(ctx) if e.layered else None
                 for r in e.fn:
+                    if layers is not None:
+                        r = _layered(r, layers, frame)
                     found.setdefault(r.kind, []).append(r)
     hs = vars(frame.module).get(_hooks.ATTR)
     if hs is not None:
@@ -50,6 +55,17 @@ def _collect(frame: _context.Frame) -> dict[str, list[Rec]] | None:
             if method in r.methods:
                 found.setdefault(r.kind, []).append(r)
     return found or None
+
+
+def _layered(r: Rec, layers: frozenset[int], frame: _context.Frame) -> Rec:
+    """A scoped hook record applied to some scan iterations only (``where="blocks/mlp[3]"``)."""
+    if r.kind.startswith("backward"):
+        raise SelectorError(
+            f"hx.hooks: backward hooks of one layer of a scanned stack (call site "
+            f"{frame.key!r}) are not supported. Fix: read that layer's gradient with "
+            f"hx.value_and_grad(loss_fn, where=...), or hook every layer."
+        )
+    return dataclasses.replace(r, layers=layers)
 
 
 def _forward_hooks(frame: _context.Frame, found: dict[str, list[Rec]]) -> list[Rec]:
@@ -149,7 +165,12 @@ def run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dict
     out = None
     try:
         for r in found.get("forward_pre", ()):
-            args, kwargs = _pre(r, frame, args, kwargs)
+            if r.layers is None:
+                args, kwargs = _pre(r, frame, args, kwargs)
+            else:
+                pred = _layergate.layer_pred(frame, r.layers, (args, kwargs))
+                edited = _pre(r, frame, args, kwargs)
+                args, kwargs = _layergate.select(frame, pred, edited, (args, kwargs))
         bpre, bpost = found.get("backward_pre"), found.get("backward")
         wrap_output = None
         if bpre or bpost:
@@ -160,7 +181,12 @@ def run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dict
         for r in _forward_hooks(frame, found):
             if r.always_call:
                 called.append(r)
-            out = _post(r, frame, args, kwargs, out)
+            if r.layers is None:
+                out = _post(r, frame, args, kwargs, out)
+            else:
+                pred = _layergate.layer_pred(frame, r.layers, (args, kwargs))
+                edited = _post(r, frame, args, kwargs, out)
+                out = _layergate.select(frame, pred, edited, out)
     except Exception as e:
         _always(frame, found, called, args, kwargs, out, e)
         raise

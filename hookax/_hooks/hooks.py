@@ -56,6 +56,8 @@ class HookRecord:
     with_kwargs: bool = False
     always_call: bool = False
     prepend: bool = False
+    # The scan iterations it applies to (a where= like "blocks/mlp[3]"); None: every call.
+    layers: frozenset[int] | None = None
     # The registration's id (HookHandle.id); 0 for a scoped hook (hx.hooks).
     token: int = dataclasses.field(default=0, compare=False, repr=False)
     # The function's value-stable key (see _fnkey): a hook re-created with the same code over
@@ -68,7 +70,7 @@ class HookRecord:
     def __reduce__(self) -> tuple[Any, ...]:
         # The key (code objects) does not pickle: rebuild it. A copy gets a new token, so a
         # handle removes its hooks from the modules it was registered on only, as in PyTorch.
-        options = (self.methods, self.with_kwargs, self.always_call, self.prepend)
+        options = (self.methods, self.with_kwargs, self.always_call, self.prepend, self.layers)
         return (_restore, (self.kind, self.fn, *options))
 
 
@@ -79,9 +81,10 @@ def _restore(
     with_kwargs: bool,
     always_call: bool,
     prepend: bool,
+    layers: frozenset[int] | None = None,
 ) -> HookRecord:
     """A :class:`HookRecord` from a pickle or a deepcopy, with a token of its own."""
-    return HookRecord(kind, fn, methods, with_kwargs, always_call, prepend, next(_TOKENS))
+    return HookRecord(kind, fn, methods, with_kwargs, always_call, prepend, layers, next(_TOKENS))
 
 
 class HookSet:
@@ -232,21 +235,26 @@ def _method_names(module: Any) -> list[str]:
     ]
 
 
-def _targets(module: Any, where: Any, api: str, adapter: Any) -> list[tuple[Any, tuple[str, ...]]]:
-    """The (submodule, methods) pairs a registration applies to."""
+def _targets(
+    module: Any, where: Any, api: str, adapter: Any
+) -> list[tuple[Any, tuple[str, ...], frozenset[int] | None]]:
+    """The (submodule, methods, scan iterations or None) a registration applies to."""
     if where is None:
-        return [(module, CALL_ONLY)]
+        return [(module, CALL_ONLY, None)]
     sel = as_selector(where, CALL_ONLY)
     out = []
     for path, m in adapter.iter_modules(module):
         methods = []
+        layers: frozenset[int] | None = None
         for name in _method_names(m):
             frame = _context.Frame(m, name, None, adapter)
             frame._path = path
-            if sel.matches(_context.Context(frame, getattr(m, name))):
+            ctx = _context.Context(frame, getattr(m, name))
+            if sel.matches(ctx):
                 methods.append(name)
+                layers = sel.layers(ctx) if sel.has_layers() else None
         if methods:
-            out.append((m, tuple(methods)))
+            out.append((m, tuple(methods), layers))
     if not out:
         found = ", ".join(
             f"{_context.path_str(p)!r} ({type(m).__name__})"
@@ -260,9 +268,9 @@ def _targets(module: Any, where: Any, api: str, adapter: Any) -> list[tuple[Any,
     return out
 
 
-def _site(module: Any, targets: list[tuple[Any, tuple[str, ...]]], adapter: Any) -> str:
+def _site(module: Any, targets: list[Any], adapter: Any) -> str:
     """The first call site a registration applies to, for messages: ``'layers/0' (Linear...)``."""
-    m, methods = targets[0]
+    m, methods, _ = targets[0]
     path = next((p for p, sub in adapter.iter_modules(module) if sub is m), ())
     more = f" and {len(targets) - 1} more" if len(targets) > 1 else ""
     return f"{_context.path_str(path)!r} ({type(m).__name__}.{methods[0]}){more}"
@@ -282,10 +290,16 @@ def _register(module: Any, record: HookRecord, where: Any, api: str) -> HookHand
             record.fn, record.kind, record.with_kwargs, api, _site(module, targets, adapter)
         )
         token = next(_TOKENS)
-        for m, methods in targets:
-            rec = dataclasses.replace(record, methods=methods, token=token)
+        for m, methods, layers in targets:
+            if layers is not None and record.kind.startswith("backward"):
+                raise SelectorError(
+                    f"hx.{api}(where={where!r}): backward hooks of one layer of a scanned "
+                    f"stack are not supported. Fix: read the gradient of that layer with "
+                    f"hx.value_and_grad(loss_fn, where={where!r}), or hook every layer."
+                )
+            rec = dataclasses.replace(record, methods=methods, layers=layers, token=token)
             _store(m, (hook_set(m) or HookSet(())).add(rec))
-    return HookHandle(token, [m for m, _ in targets])
+    return HookHandle(token, [m for m, _, _ in targets])
 
 
 def register_forward_pre_hook(
@@ -310,15 +324,16 @@ def register_forward_pre_hook(
       prepend: run before the hooks already registered.
 
     Returns:
-      A :class:`HookHandle`; ``remove()`` it, or use it as a context manager.
+      A [`hx.HookHandle`][hookax.HookHandle]; ``remove()`` it, or use it as a context manager.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-    >>> with hx.register_forward_pre_hook(model, lambda m, args: args[0] * 0):
-    ...     print(model(jnp.ones((1, 2))))
-    [[0. 0. 0.]]
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+      >>> with hx.register_forward_pre_hook(model, lambda m, args: args[0] * 0):
+      ...     print(model(jnp.ones((1, 2))))
+      [[0. 0. 0.]]
     """
     rec = HookRecord("forward_pre", hook, with_kwargs=with_kwargs, prepend=prepend)
     return _register(module, rec, where, "register_forward_pre_hook")
@@ -350,18 +365,19 @@ def register_forward_hook(
       prepend: run before the hooks already registered.
 
     Returns:
-      A :class:`HookHandle`.
+      A [`hx.HookHandle`][hookax.HookHandle].
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> rngs = nnx.Rngs(0)
-    >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=rngs), nnx.Linear(3, 1, rngs=rngs))
-    >>> h = hx.register_forward_hook(model, lambda m, a, out: print(out.shape), where=nnx.Linear)
-    >>> _ = model(jnp.ones((4, 2)))
-    (4, 3)
-    (4, 1)
-    >>> h.remove()
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> rngs = nnx.Rngs(0)
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=rngs), nnx.Linear(3, 1, rngs=rngs))
+      >>> h = hx.register_forward_hook(model, lambda m, a, out: print(out.shape), where=nnx.Linear)
+      >>> _ = model(jnp.ones((4, 2)))
+      (4, 3)
+      (4, 1)
+      >>> h.remove()
     """
     rec = HookRecord(
         "forward", hook, with_kwargs=with_kwargs, always_call=always_call, prepend=prepend
@@ -382,14 +398,15 @@ def register_full_backward_pre_hook(
     (``jax.grad``, ``nnx.grad``, ``jax.vjp``), so it must be JAX-traceable; print values with
     ``jax.debug.print``.
 
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
-    >>> _ = hx.register_full_backward_pre_hook(model, lambda m, g: (g[0] * 3,))
-    >>> nnx.grad(lambda m, x: m(x).sum(), argnums=1)(model, jnp.ones((1, 1))) / model.kernel[...]
-    Array([[3.]], dtype=float32)
-    >>> hx.remove_hooks(model)
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
+      >>> _ = hx.register_full_backward_pre_hook(model, lambda m, g: (g[0] * 3,))
+      >>> nnx.grad(lambda m, x: m(x).sum(), argnums=1)(model, jnp.ones((1, 1))) / model.kernel[...]
+      Array([[3.]], dtype=float32)
+      >>> hx.remove_hooks(model)
     """
     rec = HookRecord("backward_pre", hook, prepend=prepend)
     return _register(module, rec, where, "register_full_backward_pre_hook")
@@ -401,23 +418,25 @@ def register_full_backward_hook(
     """Run ``hook`` when JAX computes the gradients of ``module``'s positional inputs.
 
     ``hook(module, grad_input, grad_output) -> None | new_grad_input``: as in PyTorch,
-    ``grad_input`` is a tuple with one entry per positional argument (None for an argument with
-    no float arrays, or not differentiated; zeros for one that is differentiated but does not
-    reach the output) and ``grad_output`` the tuple of
-    :func:`register_full_backward_pre_hook`. A replacement is the gradient that flows on to the
-    inputs; a None entry in it means a zero gradient. When no input is differentiated (the first
-    layer, or gradients of the parameters only) the hook still runs, with ``grad_input`` all
-    None, and must return None (or all None), as in PyTorch. JAX-traceable, like
-    :func:`register_full_backward_pre_hook`.
+    ``grad_input`` is a tuple with one entry per positional argument (None for an argument with no
+    float arrays, or not differentiated; zeros for one that is differentiated but does not reach the
+    output) and ``grad_output`` the tuple of
+    [`hx.register_full_backward_pre_hook`][hookax.register_full_backward_pre_hook]. A replacement is
+    the gradient that flows on to the inputs; a None entry in it means a zero gradient. When no
+    input is differentiated (the first layer, or gradients of the parameters only) the hook still
+    runs, with ``grad_input`` all None, and must return None (or all None), as in PyTorch.
+    JAX-traceable, like
+    [`hx.register_full_backward_pre_hook`][hookax.register_full_backward_pre_hook].
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
-    >>> h = hx.register_full_backward_hook(model, lambda m, gi, go: print(gi, go[0].shape))
-    >>> _ = nnx.grad(lambda m, x: m(x).sum())(model, jnp.ones((3, 2)))  # parameters only
-    (None,) (3, 1)
-    >>> h.remove()
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> h = hx.register_full_backward_hook(model, lambda m, gi, go: print(gi, go[0].shape))
+      >>> _ = nnx.grad(lambda m, x: m(x).sum())(model, jnp.ones((3, 2)))  # parameters only
+      (None,) (3, 1)
+      >>> h.remove()
     """
     rec = HookRecord("backward", hook, prepend=prepend)
     return _register(module, rec, where, "register_full_backward_hook")
@@ -442,20 +461,21 @@ def hooks(
 ) -> contextlib.AbstractContextManager[None]:
     """Hooks on every selected call site, for a ``with`` block on this thread.
 
-    Same signatures and semantics as the ``register_*`` functions (``forward_pre`` and
-    ``forward`` get keyword arguments when ``with_kwargs=True``; ``forward`` also runs when a
-    pre-hook or the method raised when ``always_call=True``). At each call site scoped hooks
-    run before the module's own hooks of the same kind, as PyTorch's global module hooks do;
-    nested blocks run outermost first. Cache-correct under jit like :func:`~hookax.intercept`:
-    pass the same hook objects to hit the caches.
+    Same signatures and semantics as the ``register_*`` functions (``forward_pre`` and ``forward``
+    get keyword arguments when ``with_kwargs=True``; ``forward`` also runs when a pre-hook or the
+    method raised when ``always_call=True``). At each call site scoped hooks run before the module's
+    own hooks of the same kind, as PyTorch's global module hooks do; nested blocks run outermost
+    first. Cache-correct under jit like [`hx.intercept`][hookax.intercept]: pass the same hook
+    objects to hit the caches.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-    >>> with hx.hooks(forward=lambda m, args, out: jnp.zeros_like(out)):
-    ...     print(model(jnp.ones((1, 2))))
-    [[0. 0. 0.]]
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+      >>> with hx.hooks(forward=lambda m, args, out: jnp.zeros_like(out)):
+      ...     print(model(jnp.ones((1, 2))))
+      [[0. 0. 0.]]
     """
     given = {"forward_pre": forward_pre, "forward": forward, "backward_pre": backward_pre}
     given["backward"] = backward

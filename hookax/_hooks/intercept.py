@@ -37,12 +37,13 @@ class Entry:
     with an equal entry reuses the same object, and JAX's comparisons stop at identity.
     """
 
-    __slots__ = ("__weakref__", "_hash", "key", "kind", "selector")
+    __slots__ = ("__weakref__", "_hash", "key", "kind", "layered", "selector")
 
     def __init__(self, kind: str, key: Any, selector: Selector) -> None:
         self.kind = kind
         self.key = key  # a FnKey for a function; for hooks, the tuple of hook records
         self.selector = selector
+        self.layered = selector.has_layers()  # a path names layers of a scan: "blocks/attn[3]"
         self._hash = hash((kind, key, selector))
 
     def __eq__(self, other: object) -> bool:
@@ -111,6 +112,13 @@ class Tracker:
             self.seen.add((ctx.key, ctx.path_str))
 
 
+# Entries whose ``where=`` was checked in a block where it matched. A later block with an equal
+# entry whose matching call sites ran only inside an already-compiled jitted function (the Python
+# does not run on a cache hit) sees only the other call sites: it is not checked again. Weak: an
+# entry no block or JAX cache key holds anymore cannot be hit in a cache.
+_CHECKED: weakref.WeakSet[Entry] = weakref.WeakSet()
+
+
 @contextlib.contextmanager
 def tracked(entry: Entry, who: str, where: Any) -> Iterator[None]:
     """:func:`scoped`, raising ``SelectorError`` at the end of a block in which call sites ran
@@ -132,7 +140,9 @@ def tracked(entry: Entry, who: str, where: Any) -> Iterator[None]:
         mine.remove(tracker)
         if not mine:
             del _context.trackers()[entry]
-    if tracker.seen and not tracker.matched:
+    if tracker.matched:
+        _CHECKED.add(entry)
+    elif tracker.seen and entry not in _CHECKED:
         check_matched(who, where, entry.selector, tracker)
 
 
@@ -153,17 +163,18 @@ def intercept(interceptor: Interceptor, *, where: Any = None) -> contextlib.Abst
       interceptor: the function to run around each selected call.
       where: which call sites; default every public method and ``__call__`` of every module.
 
-    >>> import jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
-    >>> def show(next_fun, args, kwargs, context):
-    ...     out = next_fun(*args, **kwargs)
-    ...     print(type(context.module).__name__, context.method, out.shape)
-    ...     return out
-    >>> with hx.intercept(show):
-    ...     _ = model(jnp.ones((4, 2)))
-    Linear __call__ (4, 3)
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(2, 3, rngs=nnx.Rngs(0))
+      >>> def show(next_fun, args, kwargs, context):
+      ...     out = next_fun(*args, **kwargs)
+      ...     print(type(context.module).__name__, context.method, out.shape)
+      ...     return out
+      >>> with hx.intercept(show):
+      ...     _ = model(jnp.ones((4, 2)))
+      Linear __call__ (4, 3)
     """
     if not callable(interceptor):
         from .._util.errors import HookaxError

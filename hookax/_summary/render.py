@@ -1,4 +1,4 @@
-"""Rendering a summary as a ``rich`` table, plain text or Markdown (rich is imported lazily).
+"""Rendering a summary as a table fitted to the terminal, plain text, HTML or Markdown.
 
 This module reads a summary's fields and imports nothing of :mod:`hookax._summary.summary`, which
 imports it: the dependency goes one way.
@@ -6,10 +6,9 @@ imports it: the dependency goes one way.
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
-__all__ = ["caption", "compact", "human_bytes", "markdown", "render", "renderable", "table"]
+__all__ = ["caption", "compact", "grid", "html", "human_bytes", "markdown", "render"]
 
 _HEADERS = ("Call site", "Type", "Inputs", "Outputs", "Params", "FLOPs", "VJP FLOPs")
 
@@ -17,10 +16,11 @@ _HEADERS = ("Call site", "Type", "Inputs", "Outputs", "Params", "FLOPs", "VJP FL
 def compact(n: float | None, unit: str = "") -> str:
     """A number with an SI prefix: ``compact(33024) == '33K'``.
 
-    >>> compact(6_738_415_616)
-    '6.74G'
-    >>> compact(None), compact(0)
-    ('?', '0')
+    Examples:
+      >>> compact(6_738_415_616)
+      '6.74G'
+      >>> compact(None), compact(0)
+      ('?', '0')
     """
     if n is None:
         return "?"
@@ -37,8 +37,9 @@ def compact(n: float | None, unit: str = "") -> str:
 def human_bytes(n: int) -> str:
     """``human_bytes(940_584) == '918.54 KiB'``.
 
-    >>> human_bytes(12)
-    '12 B'
+    Examples:
+      >>> human_bytes(12)
+      '12 B'
     """
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
@@ -65,8 +66,12 @@ def _params(row: Any) -> str:
     return "\n".join(lines)
 
 
-def _key(row: Any) -> str:
+def _key(row: Any, parent: str | None = None) -> str:
+    """The key (``parent``: the key of the row above it in the tree, dropped from its start),
+    indented by depth."""
     name = row.key if row.key else "(model)"
+    if parent and row.key.startswith(parent + "/"):
+        name = row.key[len(parent) + 1 :]
     if row.trips != 1:
         name += f"  x{'?' if row.trips is None else row.trips}"
     if row.vmapped:
@@ -76,9 +81,9 @@ def _key(row: Any) -> str:
     return "  " * row.depth + name
 
 
-def _cells(row: Any) -> tuple[str, ...]:
+def _cells(row: Any, key: str | None = None) -> tuple[str, ...]:
     return (
-        _key(row),
+        _key(row) if key is None else key,
         row.type if row.method == "__call__" else f"{row.type}.{row.method}",
         _shapes(row.inputs),
         _shapes(row.outputs),
@@ -117,37 +122,40 @@ def caption(s: Any) -> list[str]:
     return lines
 
 
-def table(s: Any) -> Any:
-    """The summary as a ``rich.table.Table``, ending with the totals."""
-    from rich.table import Table
+def grid(s: Any) -> Any:
+    """The summary as a :class:`hookax._util.display.Grid`: the table, the totals below it."""
+    from .._util.display import Grid
 
-    t = Table(title=s.title, show_lines=False, title_justify="left")
-    for i, name in enumerate(_HEADERS):
-        t.add_column(name, no_wrap=True, justify="right" if i >= 5 else "left")
-    for row in s.rows:
-        t.add_row(*_cells(row))
     tot = s.totals
-    t.add_section()
-    t.add_row("Total", "", "", "", f"{tot.params:,}", compact(tot.flops), compact(tot.vjp_flops))
-    return t
-
-
-def renderable(s: Any) -> Any:
-    """The table followed by the totals, one line each (lines are not wrapped to the table)."""
-    from rich.console import Group
-    from rich.text import Text
-
-    return Group(table(s), *(Text(line, no_wrap=True, overflow="ignore") for line in caption(s)))
+    total = ("Total", "", "", "", f"{tot.params:,}", compact(tot.flops), compact(tot.vjp_flops))
+    rows = [_cells(row) for row in s.rows]
+    parents: dict[int, str] = {}  # depth -> the key of the last row at that depth
+    tree = []
+    for row in s.rows:
+        parents[row.depth] = row.key
+        tree.append(_cells(row, _key(row, parents.get(row.depth - 1))))
+    kw: dict[str, Any] = dict(
+        numeric=frozenset({5, 6}),
+        sections=frozenset({len(rows)}),
+        footer=tuple(caption(s)),
+        styles={0: "cyan", 5: "green", 6: "green"},
+    )
+    # Too wide for the terminal: each key without its parent's (a tree, as indented)
+    narrow = Grid(s.title, _HEADERS, [*tree, total], **kw)
+    return Grid(s.title, _HEADERS, [*rows, total], narrow=narrow, **kw)
 
 
 def render(s: Any, width: int | None = None) -> str:
-    """The table as plain text (no colour codes), as ``print(summary)`` shows it."""
-    from rich.console import Console
+    """The table as plain text (no colour codes), as ``print(summary)`` shows it: at ``width``
+    (default: the terminal's, :func:`hookax._util.display.terminal_width`; natural when piped)."""
+    from .._util.display import terminal_width
 
-    buf = io.StringIO()
-    console = Console(file=buf, width=width or 200, force_terminal=False, color_system=None)
-    console.print(renderable(s), crop=False)
-    return "\n".join(line.rstrip() for line in buf.getvalue().splitlines())
+    return grid(s).text(width or terminal_width())
+
+
+def html(s: Any) -> str:
+    """The table as HTML, for notebooks."""
+    return grid(s).html()
 
 
 def markdown(s: Any) -> str:

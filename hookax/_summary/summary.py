@@ -45,7 +45,7 @@ class SummaryRow:
       state: the non-trainable collections of the module and its submodules, as
         ``(name, count, bytes)``: ``("BatchStat", 32, 128)``, ``("RngState", 2, 12)``.
       variables: the module's own variables, one ``"name: Collection f32[64,32]"`` each, when
-        :func:`summary` was asked for ``variables=True``.
+        [`hx.summary`][hookax.summary] was asked for ``variables=True``.
       trips: how many times this call site runs per call of the model: the product of the
         lengths of the scans around it (1 outside any scan; None inside a ``while`` loop).
       vmapped: the sizes of the ``vmap``\\ s this call runs under, outermost first (its shapes
@@ -139,10 +139,12 @@ class SummaryTotals:
 
 @dataclasses.dataclass(frozen=True)
 class Summary:
-    """The result of :func:`summary`: ``rows`` in call order and ``totals``.
+    """The result of [`hx.summary`][hookax.summary]: ``rows`` in call order and ``totals``.
 
-    ``print(summary)`` renders a table (:meth:`to_markdown` a Markdown one); :meth:`to_json`
-    and :meth:`from_json` round-trip it. ``model``, ``method`` and ``inputs`` name the call.
+    ``print(summary)`` renders a table fitted to the terminal's width (a notebook shows it as HTML;
+    [`to_markdown`][hookax.Summary.to_markdown] gives a Markdown one);
+    [`to_json`][hookax.Summary.to_json] and [`from_json`][hookax.Summary.from_json] round-trip it.
+    ``model``, ``method`` and ``inputs`` name the call.
     """
 
     rows: list[SummaryRow]
@@ -161,12 +163,12 @@ class Summary:
         return dataclasses.asdict(self)
 
     def to_json(self, indent: int | None = 2) -> str:
-        """The summary as JSON (read it back with :meth:`Summary.from_json`)."""
+        """The summary as JSON (read it back with [`from_json`][hookax.Summary.from_json])."""
         return json.dumps(self.to_dict(), indent=indent)
 
     @classmethod
     def from_json(cls, text: str) -> Summary:
-        """Read back what :meth:`to_json` wrote."""
+        """Read back what [`to_json`][hookax.Summary.to_json] wrote."""
         data = json.loads(text)
         rows = []
         for r in data.pop("rows"):
@@ -185,13 +187,24 @@ class Summary:
         return _summary_render.markdown(self)
 
     def __rich__(self) -> Any:
-        return _summary_render.renderable(self)
+        return _summary_render.grid(self)
 
     def __str__(self) -> str:
+        """The table as text at the terminal's width (natural when piped or in a notebook)."""
         return _summary_render.render(self)
 
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython
+    def __repr__(self) -> str:
+        t = self.totals
+        return (
+            f"<hx.Summary {self.title}: {len(self.rows)} call sites, {t.params:,} parameters, "
+            f"{_summary_render.compact(t.flops)} FLOPs>"
+        )
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython's text
         p.text(str(self))
+
+    def _repr_html_(self) -> str:  # a notebook's table
+        return _summary_render.html(self)
 
 
 def summary(
@@ -207,10 +220,11 @@ def summary(
     """Summarise ``model.method(*example_args, **example_kwargs)``: one row per call site.
 
     Every call of every method of every module (``__call__`` and public methods, like
-    :func:`~hookax.intercept`'s default) is one row, in call order. Nothing runs and nothing
-    weights-sized is allocated: the model is traced on abstract values (``jax.jit(...).trace``
-    and ``.lower``, never compiled), so the model may come from ``nnx.eval_shape`` and the
-    arguments may be ``jax.ShapeDtypeStruct``\\ s or spec strings (``"f32[8,784]"``).
+    [`hx.intercept`][hookax.intercept]'s default) is one row, in call order. Nothing runs and
+    nothing weights-sized is allocated: the model is traced on abstract values
+    (``jax.jit(...).trace`` and ``.lower``, never compiled), so the model may come from
+    ``nnx.eval_shape`` and the arguments may be ``jax.ShapeDtypeStruct``\\ s or spec strings
+    (``"f32[8,784]"``).
 
     A row's FLOPs are XLA's cost analysis of that call site's method lowered alone (identical
     call sites share one lowering), times the trips of the scans around it; its VJP FLOPs count
@@ -228,9 +242,9 @@ def summary(
         abstractly, or bound: its variables are used); or an Equinox module.
       *example_args: its positional arguments: arrays, ``jax.ShapeDtypeStruct``\\ s, spec
         strings like ``"f32[8,784]"``, or anything else the method takes.
-      depth: keep rows at most this deep (see :attr:`SummaryRow.depth`: the model is 0, the
-        modules it calls 1, ...); deeper call sites fold into the row above them, whose
-        parameters and FLOPs already include theirs.
+      depth: keep rows at most this deep (see [`SummaryRow`][hookax.SummaryRow]'s ``depth``: the
+        model is 0, the modules it calls 1, ...); deeper call sites fold into the row above them,
+        whose parameters and FLOPs already include theirs.
       method: the method of ``model`` to call.
       train: None runs the model as it is; True/False switch training behaviour (dropout,
         batch statistics) on or off for the summary only: NNX ``train()``/``eval()``, Equinox
@@ -245,17 +259,18 @@ def summary(
       **example_kwargs: its keyword arguments (arrays, specs, pytrees such as a KV cache).
 
     Returns:
-      A :class:`Summary`.
+      A [`hx.Summary`][hookax.Summary].
 
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
-    >>> import hookax as hx
-    >>> layer = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
-    >>> s = hx.summary(layer, "f32[8,64]")
-    >>> s.title, s.rows[0].outputs, s.totals.params, s.totals.flops
-    ('Linear(f32[8,64])', ('f32[8,32]',), 2080, 33024)
-    >>> s.totals.vjp_flops  # forward and backward
-    98784
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> layer = nnx.Linear(64, 32, rngs=nnx.Rngs(0))
+      >>> s = hx.summary(layer, "f32[8,64]")
+      >>> s.title, s.rows[0].outputs, s.totals.params, s.totals.flops
+      ('Linear(f32[8,64])', ('f32[8,32]',), 2080, 33024)
+      >>> s.totals.vjp_flops  # forward and backward
+      98784
     """
     backend = _check(model, depth, method, train)
     args, kwargs = _specs_to_structs(example_args), _specs_to_structs(example_kwargs)

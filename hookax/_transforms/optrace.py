@@ -23,6 +23,7 @@ traced into an inner jaxpr) carries the child's scope, and is the child's.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import os
 import sys
@@ -147,12 +148,23 @@ def _source() -> str:
 
 
 def _short_path(path: str) -> str:
+    """``path`` as its package names it (``flax/nnx/nn/linear.py``: from the folder on
+    ``sys.path`` that holds it, an editable install's too), else from the current folder."""
     for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
         i = path.rfind(marker)
         if i >= 0:
             return path[i + len(marker) :]
-    cwd = os.getcwd() + os.sep
-    return path[len(cwd) :] if path.startswith(cwd) else path
+    return _relative(path, os.getcwd(), tuple(sys.path))
+
+
+@functools.lru_cache(maxsize=1024)
+def _relative(path: str, cwd: str, roots: tuple[str, ...]) -> str:
+    best = ""
+    for root in (cwd, *roots):
+        folder = os.path.join(os.path.abspath(root or cwd), "")
+        if path.startswith(folder) and len(folder) > len(best) and folder != os.sep:
+            best = folder
+    return path[len(best) :] if best else path
 
 
 def _struct(x: Any) -> Any:
@@ -423,7 +435,20 @@ def _bind(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:
 
 def _jit(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:
     new, touched = walk(params["jaxpr"], trace.walker)
-    return _bind(trace, prim, args, dict(params, jaxpr=new) if touched else params)
+    if not touched:
+        return _bind(trace, prim, args, params)
+    # An edit may close over values of the enclosing trace (``v * s`` with ``s`` traced): they
+    # are the re-traced jaxpr's constants, and a jit takes them as leading inputs.
+    body, consts = _closed_to_consts(new)
+    k = len(consts)
+    p = dict(
+        params,
+        jaxpr=body,
+        in_shardings=(*[pjit.UNSPECIFIED] * k, *params["in_shardings"]),
+        in_layouts=(*[None] * k, *params["in_layouts"]),
+        donated_invars=(*[False] * k, *params["donated_invars"]),
+    )
+    return _bind(trace, prim, [*consts, *args], p)
 
 
 def _scan(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:
@@ -439,7 +464,22 @@ def _cond(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:
     walked = [walk(b, trace.walker) for b in params["branches"]]
     if not any(t for _, t in walked):
         return _bind(trace, prim, args, params)
-    return _bind(trace, prim, args, dict(params, branches=tuple(b for b, _ in walked)))
+    # Every branch takes every branch's constants (an edit's closed-over values) as operands.
+    opened = [_closed_to_consts(b) for b, _ in walked]
+    consts = [c for _, cs in opened for c in cs]
+    avals = [core.typeof(c) for c in consts]
+    n_in = len(params["branches"][0].in_avals)
+    branches = []
+    start = 0
+    for body, cs in opened:
+
+        def branch(*a: Any, body: Any = body, lo: int = start, hi: int = start + len(cs)) -> Any:
+            return _eval(body, [*a[n_in + lo : n_in + hi], *a[:n_in]])
+
+        branches.append(_trace(branch, [*params["branches"][0].in_avals, *avals]))
+        start += len(cs)
+    index, ops = args[0], args[1:]
+    return _bind(trace, prim, [index, *ops, *consts], dict(params, branches=tuple(branches)))
 
 
 def _while(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:

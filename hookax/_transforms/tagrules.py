@@ -4,7 +4,8 @@ Each rule gets the :class:`HarvestTrace` that met the primitive, re-traces the i
 jaxpr(s) through a child session (:func:`reap_jaxpr`, :func:`plant_jaxpr`), binds the primitive on
 the trace's parent with the extra outputs or inputs, and hands the collected records up, each
 tagged with the axis the primitive added (``scan`` stacks, ``cond`` selects, ``while`` keeps the
-last iteration).
+last iteration, or, with a session's ``while_steps``, stacks its iterations into a buffer of that
+many rows carried through the loop).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def reap_jaxpr(closed: Any, session: Session) -> tuple[core.ClosedJaxpr, tuple[M
         metas: list[Meta] = []
 
         def body(*args: Any) -> list[Any]:
-            child = Session(session.sid, session.who, "reap")
+            child = Session(session.sid, session.who, "reap", while_steps=session.while_steps)
             with core.set_current_trace(HarvestTrace(core.trace_ctx.trace, child)):
                 outs = _eval(closed, list(args))
             metas[:] = [
@@ -130,7 +131,7 @@ def reap_jaxpr(closed: Any, session: Session) -> tuple[core.ClosedJaxpr, tuple[M
         new = _trace(body, _in_avals(closed))
         return new, tuple(metas)
 
-    return _cached((session.sid, session.who, "reap"), closed, make)
+    return _cached((session.sid, session.who, "reap", session.while_steps), closed, make)
 
 
 def _probe_avals(metas: tuple[Meta, ...]) -> list[list[Any]]:
@@ -276,8 +277,10 @@ def _while(trace: HarvestTrace, args: Any, params: dict) -> Any:
             "JAX cannot differentiate in reverse mode. Use jax.lax.scan or fori_loop with static "
             f"bounds, or {metas[0].spec.exclude}."
         )
-    cn, bn = params["cond_nconsts"], params["body_nconsts"]
     avals = [a for m in metas for a in m.avals]
+    if s.while_steps is not None:
+        return _while_stacked(trace, args, params, reaped, metas, s.while_steps)
+    cn, bn = params["cond_nconsts"], params["body_nconsts"]
     k = len(avals)
     n_carry = len(body.out_avals)
 
@@ -294,6 +297,83 @@ def _while(trace: HarvestTrace, args: Any, params: dict) -> Any:
     outs = _bind(trace, loops.while_p, [*new_args, *init], p)
     deliver(s, metas, outs[len(outs) - k :], ("while", None))
     return outs[: len(outs) - k]
+
+
+def _while_stacked(
+    trace: HarvestTrace, args: Any, params: dict, reaped: Any, metas: tuple[Meta, ...], n: int
+) -> Any:
+    """The ``while`` rule with a bound: iteration ``i``'s marked values go to row ``i`` of
+    buffers of ``n`` rows carried through the loop (rows from ``n`` on are dropped), and the
+    iteration counter, carried too, is appended to each record's values.
+
+    A loop under ``vmap`` whose condition depends on the mapped values has a batched predicate
+    of shape ``P``: JAX then keeps each element's carry once its predicate is false, so every
+    extra carry leads with ``P`` (each element counts and writes its own rows); the rows axis is
+    moved in front afterwards, as a scan under ``vmap`` stacks.
+    """
+    s = trace.session
+    cond, body = params["cond_jaxpr"], params["body_jaxpr"]
+    cn, bn = params["cond_nconsts"], params["body_nconsts"]
+    n_carry = len(body.out_avals)
+    batch = tuple(cond.out_avals[0].shape)
+    avals = [a for m in metas for a in m.avals]
+    for m in metas:
+        if any(tuple(a.shape[: len(batch)]) != batch for a in m.avals):
+            raise HookaxError(
+                f"{s.who}: {m.spec.what(m.key)} runs in a jax.lax.while_loop under jax.vmap "
+                f"whose condition depends on the mapped values, but its value does not lead "
+                f"with the batch axes {batch}; hookax cannot stack its iterations per element. "
+                f"Fix: {m.spec.exclude}, or capture inside the vmapped function."
+            )
+    nb = len(batch)
+    bufs = [core.ShapedArray((*batch, n, *a.shape[nb:]), a.dtype) for a in avals]
+    counter = core.ShapedArray(batch, jnp.dtype("int32"))
+
+    def new_body(*a: Any) -> list[Any]:
+        outs = _eval(reaped, list(a[: bn + n_carry]))
+        i, old = a[bn + n_carry], a[bn + n_carry + 1 :]
+        new = [_write(b, v, i, nb) for b, v in zip(old, outs[n_carry:])]
+        return [*outs[:n_carry], i + 1, *new]
+
+    def new_cond(*a: Any) -> list[Any]:
+        return _eval(cond, list(a[: cn + n_carry]))
+
+    p, new_args = while_with(
+        params,
+        _trace(new_cond, [*cond.in_avals, counter, *bufs]),
+        _trace(new_body, [*body.in_avals, counter, *bufs]),
+        args,
+    )
+    with core.set_current_trace(trace.parent):
+        init = [jnp.zeros(batch, jnp.int32), *[_fill(b) for b in bufs]]
+    outs = _bind(trace, loops.while_p, [*new_args, *init], p)
+    count, stacked = outs[len(outs) - len(bufs) - 1], outs[len(outs) - len(bufs) :]
+    if nb:
+        with core.set_current_trace(trace.parent):
+            stacked = [jnp.moveaxis(b, nb, 0) for b in stacked]
+    it = iter(stacked)
+    for m in metas:
+        values = [next(it) for _ in m.avals]
+        s.records.append(Record(m.key, m.spec, [*values, count], (*m.axes, ("while", n))))
+    return outs[: len(outs) - len(bufs) - 1]
+
+
+def _write(buf: Any, value: Any, i: Any, nb: int = 0) -> Any:
+    """``buf`` with row ``i`` set to ``value``; unchanged when ``i`` is past its last row (a
+    row-sized select, so the update stays in place). With ``nb`` leading batch axes, each
+    element writes its own row ``i[b]``."""
+    if nb:
+        size = int(np.prod(buf.shape[:nb]))
+        flat = jax.vmap(_write)(
+            buf.reshape(size, *buf.shape[nb:]),
+            value.reshape(size, *value.shape[nb:]),
+            i.reshape(size),
+        )
+        return flat.reshape(buf.shape)
+    n = buf.shape[0]
+    last = jax.lax.dynamic_index_in_dim(buf, n - 1, keepdims=False)
+    row = jnp.where(i < n, value.astype(buf.dtype), last)
+    return jax.lax.dynamic_update_index_in_dim(buf, row, jnp.minimum(i, n - 1), 0)
 
 
 def while_with(params: dict, cond: Any, body: Any, args: Any) -> tuple[dict, list[Any]]:
@@ -549,7 +629,7 @@ def shard_map(trace: HarvestTrace, prim: Any, fun: Any, args: Any, **params: Any
     found: list[Any] = []
 
     def body(*a: Any) -> Any:
-        child = Session(s.sid, s.who, "reap")
+        child = Session(s.sid, s.who, "reap", while_steps=s.while_steps)
         with core.set_current_trace(HarvestTrace(core.trace_ctx.trace, child)):
             ft = fun(*a)
         if not child.records:

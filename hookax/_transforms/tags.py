@@ -167,8 +167,10 @@ class Record:
     """One marked value delivered to a session: the call-site key, its spec, its array leaves.
 
     ``axes`` lists the transforms it left on the way, innermost first (``("scan", 32)``,
-    ``("cond", None)``, ``("while", None)``, ``("shard_map", n)``); each added a leading axis except
-    ``cond`` and ``while``.
+    ``("cond", None)``, ``("while", None)``, ``("while", 64)``, ``("shard_map", n)``); each added a
+    leading axis except ``cond`` and an unbounded ``while`` (its last iteration). A ``while`` with
+    a bound (a session's ``while_steps``) stacks its iterations into that many rows and appends
+    its iteration count to ``values``, after the output's leaves (innermost loop first).
     """
 
     key: str
@@ -176,8 +178,18 @@ class Record:
     values: list[Any]
     axes: tuple[tuple[str, Any], ...] = ()
 
+    @property
+    def n_counts(self) -> int:
+        """How many iteration counts of bounded ``while`` loops end ``values``."""
+        return sum(1 for kind, n in self.axes if kind == "while" and n is not None)
+
+    @property
+    def counts(self) -> list[Any]:
+        """The iteration counts of the bounded ``while`` loops it left, innermost first."""
+        return self.values[len(self.values) - self.n_counts :]
+
     def output(self) -> Any:
-        return unwrap(self.spec.rebuild(self.values))
+        return unwrap(self.spec.rebuild(self.values[: len(self.values) - self.n_counts]))
 
 
 def unwrap(tree: Any) -> Any:
@@ -191,10 +203,19 @@ class Session:
     that made it.
     """
 
-    def __init__(self, sid: int, who: str, mode: str = "reap", probes: list[Any] | None = None):
+    def __init__(
+        self,
+        sid: int,
+        who: str,
+        mode: str = "reap",
+        probes: list[Any] | None = None,
+        while_steps: int | None = None,
+    ):
         self.sid = sid
         self.who = who
         self.mode = mode  # "reap": record the values; "plant": add the next probe to each
+        # rows of the buffer each ``while`` loop stacks its iterations into; None: last only
+        self.while_steps = while_steps
         self.records: list[Record] = []
         self.probes = probes or []
         self.used = 0  # probes consumed so far (plant)
@@ -202,6 +223,10 @@ class Session:
         self.matched = False  # whether any call site was selected
         self.owners: dict[str, Any] = {}  # key -> the NNX module first selected under it
         self.starts: dict[str, None] = {}  # selected keys in the order their first call started
+        # record key -> (call-site key, layers, what follows the layer in a key: "" or
+        # ":softmax"): one-layer selections of a scanned call site ("blocks/attn[3]",
+        # "blocks/attn[3]:softmax"), recorded stacked over the scan, split by the collector.
+        self.layered: dict[str, tuple[str, tuple[int, ...], str]] = {}
         self.op_notes: Any = None  # ``_ops.Notes`` of a session with ops= (set by its runner)
 
     def on_tag(self, args: list[Any], key: str, spec: Spec) -> list[Any]:

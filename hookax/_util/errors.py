@@ -6,7 +6,7 @@ builtin a caller would catch for that kind of mistake.
 
 from __future__ import annotations
 
-__all__ = ["HookError", "HookaxError", "SelectorError"]
+__all__ = ["HookError", "HookaxError", "SelectorError", "StoreError"]
 
 
 class HookaxError(Exception):
@@ -19,6 +19,15 @@ class HookError(HookaxError, TypeError):
 
 class SelectorError(HookaxError, ValueError):
     """A ``where=`` selector is malformed, or matches no module where one is required."""
+
+
+class StoreError(HookaxError, OSError):
+    """``hx.harvest`` could not write or read its store: the path is a file or under one, the
+    location is read-only, the disk is full, or the store was moved or replaced while it ran.
+
+    The message names the store, the cause and the batch reached. Batches committed before the
+    fault are kept, and a rerun with the same arguments resumes after them.
+    """
 
 
 _NOTED = "__hookax_noted__"

@@ -5,12 +5,13 @@
 calls :func:`require` first, so a missing package is reported with the command that fixes it,
 not as a traceback from deep inside (or after minutes of computing gradients).
 
->>> require("json", "nnx", "hx.layer_grad_norms")  # present: nothing happens
->>> require("no_such_package_xyz", "plot", "hx.plot_grad_norms")
-Traceback (most recent call last):
-...
-hookax._util.extras.MissingExtraError: hx.plot_grad_norms needs the Python package ...
-Install it with: pip install "hookax[plot]"
+Examples:
+  >>> require("json", "nnx", "hx.layer_grad_norms")  # present: nothing happens
+  >>> require("no_such_package_xyz", "plot", "hx.plot_grad_norms")
+  Traceback (most recent call last):
+  ...
+  hookax._util.extras.MissingExtraError: hx.plot_grad_norms needs the Python package ...
+  Install it with: pip install "hookax[plot]"
 """
 
 from __future__ import annotations

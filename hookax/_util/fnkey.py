@@ -72,10 +72,11 @@ def _fn_key(fn: Any, depth: int = 0) -> Any:
 class FnKey:
     """A user function plus its value-stable key; equal keys mean interchangeable functions.
 
-    >>> def make(k):
-    ...     return lambda x: x * k
-    >>> FnKey(make(2)) == FnKey(make(2)), FnKey(make(2)) == FnKey(make(3))
-    (True, False)
+    Examples:
+      >>> def make(k):
+      ...     return lambda x: x * k
+      >>> FnKey(make(2)) == FnKey(make(2)), FnKey(make(2)) == FnKey(make(3))
+      (True, False)
     """
 
     __slots__ = ("_hash", "_key", "fn")

@@ -36,9 +36,10 @@ class SpecError(ValueError):
 def format_spec(shape: tuple[int, ...], dtype: Any) -> str:
     """The short form of an array's shape and dtype.
 
-    >>> import numpy as np
-    >>> format_spec((8, 64), np.float32)
-    'f32[8,64]'
+    Examples:
+      >>> import numpy as np
+      >>> format_spec((8, 64), np.float32)
+      'f32[8,64]'
     """
     import numpy as np
 
@@ -52,10 +53,11 @@ def format_spec(shape: tuple[int, ...], dtype: Any) -> str:
 def parse_spec(text: str) -> Any:
     """Parse ``"f32[8,224,224,3]"`` into a ``jax.ShapeDtypeStruct``.
 
-    >>> parse_spec("bf16[2, 3]")
-    ShapeDtypeStruct(shape=(2, 3), dtype=bfloat16)
-    >>> parse_spec("i32[]").shape
-    ()
+    Examples:
+      >>> parse_spec("bf16[2, 3]")
+      ShapeDtypeStruct(shape=(2, 3), dtype=bfloat16)
+      >>> parse_spec("i32[]").shape
+      ()
     """
     import jax
     import jax.numpy as jnp
@@ -73,8 +75,9 @@ def parse_spec(text: str) -> Any:
 def describe(x: Any) -> str:
     """One leaf as a short string: arrays (and tracers, specs) as ``f32[8,64]``, others by repr.
 
-    >>> describe(3)
-    '3'
+    Examples:
+      >>> describe(3)
+      '3'
     """
     shape, dtype = getattr(x, "shape", None), getattr(x, "dtype", None)
     if shape is not None and dtype is not None:

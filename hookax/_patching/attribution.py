@@ -1,0 +1,149 @@
+"""``hx.attribution_patch``: a patching grid to first order, from one backward pass.
+
+Attribution patching (Nanda, 2023) estimates the effect of patching an activation by
+``(clean - corrupted) . d metric / d activation`` at the corrupted run. One compiled program
+runs the corrupted forward and backward (``hx.value_and_grad`` over the targets, with
+``hx.capture`` of their values inside it); the clean values come from the grid's capture.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._capture.actgrad import value_and_grad
+from .._capture.capture import capture
+from . import compiled, targets
+from .grid import Plan
+from .patch import PatchError, position_mask
+
+__all__ = ["attribution_patch"]
+
+WHO = "hx.attribution_patch"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    rest: compiled.Static
+    metric: Any
+    keys: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]  # each target's output shape (one call, one layer)
+    axis: int
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class _Closed:
+    """A function without arrays, passed as a pytree with no leaves."""
+
+    fn: Any
+
+
+def _loss(metric: Callable[[Any], Any], sel: Any) -> Callable[..., Any]:
+    def loss(_: Any, fn: Any, *args: Any) -> tuple[Any, Any]:
+        fn = fn.fn if isinstance(fn, _Closed) else fn
+        y, acts = capture(fn, where=sel)(*args)
+        m = metric(y)
+        if jnp.shape(m) != ():
+            raise PatchError(
+                f"{WHO}: the metric must return a scalar to be differentiated, got shape "
+                f"{jnp.shape(m)}. Fix: reduce it, e.g. lambda y: y[0, -1, a] - y[0, -1, b]."
+            )
+        return m, acts
+
+    return loss
+
+
+def _term(key: str, shape: tuple[int, ...], clean: Any, corrupt: Any, grad: Any) -> Any:
+    """``(clean - corrupt) * grad`` of every call of ``key``, summed into one output's shape
+    (a scanned call site's layers summed too)."""
+    total = jnp.zeros(shape, jnp.float32)
+    for c, x, g in zip(clean, corrupt, grad):
+        t = (c.astype(jnp.float32) - x.astype(jnp.float32)) * g.astype(jnp.float32)
+        total = total + (t.sum(0) if t.ndim == len(shape) + 1 else t)
+    return total
+
+
+def _project(term: Any, cols: Any, shape: tuple[int, ...], axis: int, key: str) -> Any:
+    """The term summed over each column's positions (all but ``axis`` for single indices)."""
+    if cols is None:
+        return term.sum()
+    ax = axis % len(shape)
+    if jnp.issubdtype(cols.dtype, jnp.integer) and cols.ndim == 1:
+        per = term.sum(axis=tuple(i for i in range(term.ndim) if i != ax))
+        return per[cols]
+    return jax.vmap(lambda col: jnp.where(position_mask(col, shape, axis, key), term, 0).sum())(
+        cols
+    )
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _attribute(spec: _Spec, dyn: list[Any], clean: dict[str, Any], cols: Any) -> Any:
+    fn, args = compiled.join(dyn, spec.rest)
+    sel = targets.selector(list(spec.keys))
+    loss = _loss(compiled.value_of(spec.metric), sel)
+    zero = jnp.zeros((), jnp.float32)  # differentiated (argnums=0), so the model is not
+    # A module goes in as an argument (NNX transforms inside it need it at this trace level);
+    # a function without arrays (Linen's apply) as an empty pytree that holds it.
+    held = fn if any(compiled.is_array(x) for x in jax.tree.leaves(fn)) else _Closed(fn)
+    (_, corrupt), _, grads = value_and_grad(loss, where=sel, has_aux=True)(zero, held, *args)
+    rows = []
+    for key, shape in zip(spec.keys, spec.shapes):
+        term = _term(key, shape, clean[key], corrupt[key], grads[key])
+        rows.append(_project(term, cols, shape, spec.axis, key))
+    return jnp.stack(rows)
+
+
+def attribution_patch(
+    fn: Callable[..., Any],
+    clean_args: tuple[Any, ...],
+    corrupt_args: tuple[Any, ...],
+    metric: Callable[[Any], Any],
+    *,
+    where: Any,
+    positions: Any = "each",
+    axis: int = 1,
+) -> jax.Array:
+    """The grid of [`hx.patch_grid`][hookax.patch_grid] to first order: the estimated change of
+    the metric.
+
+    Entry ``[target, column]`` is ``sum((clean - corrupted) * d metric / d output)`` over the
+    column's positions (for ``positions="each"``: over every axis but ``axis``) of the target's
+    output, the gradient taken at the corrupted run; a target called several times (or a
+    scanned stack's call site, every layer) sums its calls' terms. It estimates
+    ``patch_grid(...) - metric(fn(*corrupt_args))``. Costs one clean forward, and one corrupted
+    forward and backward, whatever the grid's size.
+
+    Args:
+      fn: as [`hx.patch_grid`][hookax.patch_grid].
+      clean_args: as [`hx.patch_grid`][hookax.patch_grid].
+      corrupt_args: as [`hx.patch_grid`][hookax.patch_grid].
+      where: as [`hx.patch_grid`][hookax.patch_grid].
+      positions: as [`hx.patch_grid`][hookax.patch_grid].
+      axis: as [`hx.patch_grid`][hookax.patch_grid].
+      metric: ``fn``'s output -> a scalar.
+
+    Returns:
+      An array laid out as [`hx.patch_grid`][hookax.patch_grid]'s, in float32.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+      >>> clean, corrupt = jnp.ones((1, 3, 2)), jnp.zeros((1, 3, 2))
+      >>> metric = lambda y: y[0, -1].sum()
+      >>> est = hx.attribution_patch(model, (clean,), (corrupt,), metric, where="")
+      >>> exact = hx.patch_grid(model, (clean,), (corrupt,), metric, where="")
+      >>> bool(jnp.allclose(est, exact - metric(model(corrupt))))  # exact for a linear metric
+      True
+    """
+    plan = Plan(WHO, fn, clean_args, corrupt_args, metric, where, positions, axis)
+    shapes = tuple(tuple(plan.shapes[k].shape) for k in plan.keys)
+    spec = _Spec(plan.rest, plan.metric, tuple(plan.keys), shapes, axis)
+    return _attribute(spec, plan.dyn, plan.acts, plan.cols)

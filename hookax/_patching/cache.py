@@ -1,0 +1,129 @@
+"""Helpers over captured values: every layer's value on one axis, a readout of each layer (the
+logit lens), and an attention output split by head. Plain functions of ``hx.capture``'s dict,
+generic over architectures: unrolled layers (``"layers/*"``) and scanned stacks (``"blocks"``)
+give the same layout.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._engine.select import check_glob, glob_to_regex
+from .._util.errors import SelectorError
+from .patch import PatchError
+
+__all__ = ["logit_lens", "split_heads", "stack_layers"]
+
+
+def stack_layers(acts: Mapping[str, tuple[Any, ...]], where: str = "layers/*") -> jax.Array:
+    """Every layer's value of a call site, stacked on a new leading (layer) axis.
+
+    ``where`` is a path glob over ``acts``' keys (``"layers/*"``, ``"blocks/*/attn"``): each
+    match's value, in call order; or one key: its calls in order when it ran several times (a
+    module applied once per layer), or its value as captured when it ran once (a call site in a
+    scan over layers is already stacked on the scan axis).
+
+    Args:
+      acts: what ``hx.capture`` returns (``{key: (value per call, ...)}``).
+      where: a glob or a key; ``"path:method"`` for a method other than ``__call__``.
+
+    Raises:
+      SelectorError: ``where`` matched no key of ``acts`` (the message lists them).
+      PatchError: a matched key ran more than once under a glob, or values differ in shape.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> acts = {"layers/0": (jnp.zeros((2, 3)),), "layers/1": (jnp.ones((2, 3)),)}
+      >>> stack_layers(acts, "layers/*").shape
+      (2, 2, 3)
+      >>> stack_layers({"blocks": (jnp.zeros((4, 2, 3)),)}, "blocks").shape  # scanned: as is
+      (4, 2, 3)
+    """
+    path, _, method = where.partition(":")
+    if path:
+        check_glob(path)
+    if "*" not in path:
+        if where not in acts:
+            _missing(where, acts)
+        values = acts[where]
+        return values[0] if len(values) == 1 else _stack(where, values)
+    rx = glob_to_regex(path)
+    keys = [
+        k
+        for k in acts
+        if rx.fullmatch(k.partition(":")[0]) and k.partition(":")[2] == (method or "")
+    ]
+    if not keys:
+        _missing(where, acts)
+    for k in keys:
+        if len(acts[k]) != 1:
+            raise PatchError(
+                f"hx.stack_layers: {k!r} ran {len(acts[k])} times; with a glob each key gives "
+                f"one layer. Fix: stack that key alone, hx.stack_layers(acts, {k!r})."
+            )
+    return _stack(where, [acts[k][0] for k in keys])
+
+
+def _stack(where: str, values: Any) -> jax.Array:
+    shapes = {tuple(jnp.shape(v)) for v in values}
+    if len(shapes) != 1:
+        raise PatchError(
+            f"hx.stack_layers({where!r}): the values have different shapes {sorted(shapes)}; "
+            "only values of one shape stack. Fix: a where= that picks one kind of call site."
+        )
+    return jnp.stack(list(values))
+
+
+def _missing(where: str, acts: Mapping[str, Any]) -> None:
+    keys = list(acts)
+    near = difflib.get_close_matches(where, keys, n=6, cutoff=0.0) or keys[:6]
+    raise SelectorError(
+        f"hx.stack_layers: where={where!r} matched no captured key; the keys include "
+        f"{', '.join(repr(k) for k in near)}. Fix: capture the layers with hx.capture(fn, "
+        f"where={where!r}) and pass its dict."
+    )
+
+
+def logit_lens(
+    readout: Callable[[Any], Any], acts: Mapping[str, tuple[Any, ...]], where: str = "layers/*"
+) -> Any:
+    """``readout`` applied to every layer's value: ``[layer, *readout's output]``.
+
+    With ``readout`` the model's final norm and unembedding, this is the logit lens (what each
+    layer's residual stream would predict if the model stopped there). The layers are those of
+    [`hx.stack_layers`][hookax.stack_layers] (unrolled or scanned); ``readout`` runs under
+    ``jax.vmap`` over them.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> acts = {"layers/0": (jnp.ones((1, 2)),), "layers/1": (2 * jnp.ones((1, 2)),)}
+      >>> logit_lens(lambda h: h.sum(-1), acts)
+      Array([[2.],
+             [4.]], dtype=float32)
+    """
+    return jax.vmap(readout)(stack_layers(acts, where))
+
+
+def split_heads(x: Any, n_heads: int, axis: int = -1) -> jax.Array:
+    """An attention output with heads concatenated on ``axis`` (``d = n_heads * d_head``), with
+    that axis split into ``(n_heads, d_head)``.
+
+    Examples:
+      >>> split_heads(jnp.arange(8.0).reshape(1, 8), 2)[0]
+      Array([[0., 1., 2., 3.],
+             [4., 5., 6., 7.]], dtype=float32)
+    """
+    x = jnp.asarray(x)
+    ax = axis % x.ndim
+    d = x.shape[ax]
+    if not isinstance(n_heads, int) or n_heads < 1 or d % n_heads:
+        raise PatchError(
+            f"hx.split_heads: axis {axis} has size {d}, which {n_heads!r} heads do not divide. "
+            f"Fix: pass the number of heads of the layer whose output this is."
+        )
+    return x.reshape(*x.shape[:ax], n_heads, d // n_heads, *x.shape[ax + 1 :])

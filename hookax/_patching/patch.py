@@ -1,0 +1,285 @@
+"""``hx.patching``: chosen call-site outputs replaced by given values for the duration of a block.
+
+The block is one ``hx.intercept`` whose interceptor closes over the values, positions and axis
+only, so its cache key follows :mod:`hookax._util.fnkey`: arrays by identity. Inside a jitted
+function that takes the values and positions as arguments they are tracers, and one trace serves
+every value and position. Everything else a block needs while it runs (which keys ran, per-call
+counts, the run counter of scanned call sites) lives in a per-thread stack of block states, out
+of the key.
+
+A value with one more leading axis than its call site's output holds one value per run of the
+call site, as ``hx.capture`` stacks a call site inside a scan over layers: the i-th run gets
+entry ``i mod n``. Runs are counted by a JAX reference created when the block is entered; a scan
+body closes over it, so layer ``l`` of a scanned stack gets entry ``l`` without the engine knowing
+the layer index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._hooks.intercept import intercept
+from .._util.errors import HookaxError, SelectorError
+
+__all__ = ["PatchError", "patching", "position_mask"]
+
+WHO = "hx.patching"
+_BY_VALUE = (int, float, complex, str, bytes, bool, type(None))
+
+
+class PatchError(HookaxError, ValueError):
+    """A patch value or position of the wrong shape, dtype or kind for its call site."""
+
+
+class _State:
+    """One active block: its spec, and what happened while it ran."""
+
+    __slots__ = ("applied", "calls", "counts", "seen", "spec")
+
+    def __init__(self, spec: tuple[Any, ...], counts: Any) -> None:
+        self.spec = spec
+        self.counts = counts  # a jax reference of int32[n_keys]: runs of each stacked key
+        self.calls: dict[str, int] = {}  # calls of each key in the current forward (trace time)
+        self.seen: set[str] = set()
+        self.applied: set[str] = set()
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.blocks: list[_State] = []
+
+
+_LOCAL = _Local()
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal as :class:`~hookax._util.fnkey.FnKey` compares closures: simple values by value,
+    tuples element by element, anything else by identity."""
+    if a is b:
+        return True
+    if type(a) is tuple and type(b) is tuple:
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return isinstance(a, _BY_VALUE) and type(a) is type(b) and a == b
+
+
+def _state(spec: tuple[Any, ...]) -> _State:
+    # hx.intercept interns equal entries: the interceptor running may be an earlier block's
+    # closure over an equal spec, so the state is found by equality, innermost first.
+    for state in reversed(_LOCAL.blocks):
+        if _same(state.spec, spec):
+            return state
+    raise HookaxError(f"{WHO}: a patch ran outside its block")  # pragma: no cover
+
+
+def _interceptor(spec: tuple[Any, ...]) -> Callable[..., Any]:
+    def patch_call(next_fun: Callable[..., Any], args: tuple, kwargs: dict, context: Any) -> Any:
+        return _run(spec, next_fun, args, kwargs, context)
+
+    return patch_call
+
+
+def _run(
+    spec: tuple[Any, ...], next_fun: Callable[..., Any], args: tuple, kwargs: dict, context: Any
+) -> Any:
+    items, positions, axis = spec
+    state = _state(spec)
+    if context.path == ():  # a new forward pass: per-call counts start again
+        state.calls.clear()
+    key = context.key
+    state.seen.add(key)
+    out = next_fun(*args, **kwargs)
+    for k, (target, entries) in enumerate(items):
+        if target == key:
+            n = state.calls.get(key, 0)
+            state.calls[key] = n + 1
+            state.applied.add(key)
+            value = _value_for(key, k, out, entries[n % len(entries)], state)
+            mask = position_mask(positions, out.shape, axis, key)
+            return value if mask is None else jnp.where(mask, value, out)
+    return out
+
+
+def _value_for(key: str, k: int, out: Any, entry: Any, state: _State) -> Any:
+    """The value replacing ``out``: ``entry`` itself, or its entry for this run of ``key``."""
+    if not isinstance(out, jax.Array | np.ndarray):
+        raise PatchError(
+            f"{WHO}: call site {key!r} returned a {type(out).__name__}; only array outputs can "
+            f"be patched. Fix: patch a call site inside it that returns an array."
+        )
+    value = jnp.asarray(entry)
+    if value.shape == out.shape:
+        return value.astype(out.dtype)
+    if value.ndim == out.ndim + 1 and value.shape[1:] == out.shape:
+        counts = state.counts
+        run = counts[...][k]
+        counts[...] = counts[...].at[k].add(1)
+        at = jax.lax.rem(run, jnp.int32(value.shape[0]))
+        return jax.lax.dynamic_index_in_dim(value, at, 0, keepdims=False).astype(out.dtype)
+    raise PatchError(
+        f"{WHO}: the value for call site {key!r} has shape {tuple(value.shape)}, but its output "
+        f"has shape {tuple(out.shape)}. Expected {tuple(out.shape)}, or (n, "
+        f"{', '.join(map(str, out.shape))}) for one value per run of the call site (the layers "
+        f"of a scanned stack, as hx.capture stacks them). Fix: pass the call site's own "
+        f"captured value, hx.capture(fn, where={key!r})(*args)[1][{key!r}]."
+    )
+
+
+def position_mask(positions: Any, shape: tuple[int, ...], axis: int, key: str) -> Any:
+    """A boolean mask that broadcasts against an output of ``shape``, or None for everything.
+
+    ``positions`` is an index along ``axis`` (a scalar or a 1-d integer array of several), or a
+    boolean mask over axes ``axis - k + 1 .. axis`` (a 1-d mask over ``axis`` alone, a 2-d mask
+    over the axis before it too, ...).
+
+    Examples:
+      >>> position_mask(2, (1, 4, 3), 1, "x").ravel().tolist()
+      [False, False, True, False]
+      >>> position_mask(jnp.array([True, False]), (2, 5), 0, "x").shape
+      (2, 1)
+    """
+    if positions is None:
+        return None
+    nd = len(shape)
+    if not -nd <= axis < nd:
+        raise PatchError(
+            f"{WHO}: axis={axis} is out of range for call site {key!r}, whose output has shape "
+            f"{tuple(shape)}. Fix: axis= names the position axis of the output (1 for "
+            f"(batch, position, features))."
+        )
+    ax = axis % nd
+    p = jnp.asarray(positions)
+    if p.dtype == jnp.bool_:
+        want = tuple(shape[ax - p.ndim + 1 : ax + 1])
+        if p.ndim == 0 or p.ndim > ax + 1 or tuple(p.shape) != want:
+            raise PatchError(
+                f"{WHO}: the position mask has shape {tuple(p.shape)}, but call site {key!r} "
+                f"has {shape[ax]} positions along axis {axis} of its output {tuple(shape)}. "
+                f"Expected a mask ending at axis {axis}, e.g. of shape {(shape[ax],)}."
+            )
+        m = p
+    elif jnp.issubdtype(p.dtype, jnp.integer) and p.ndim <= 1:
+        index = jnp.arange(shape[ax], dtype=p.dtype)
+        m = index == p if p.ndim == 0 else (index[:, None] == p[None, :]).any(-1)
+    else:
+        raise PatchError(
+            f"{WHO}: positions= takes an index, a 1-d array of indices or a boolean mask, got "
+            f"{p.dtype}{list(p.shape)} for call site {key!r}. Fix: positions=3, "
+            f"positions=jnp.array([2, 5]) or positions=jnp.arange({shape[ax]}) == 3."
+        )
+    return m.reshape(m.shape + (1,) * (nd - ax - 1))
+
+
+def _entries(key: Any, value: Any) -> tuple[Any, ...]:
+    if not isinstance(key, str):
+        raise PatchError(
+            f"{WHO}: keys are call-site keys as hx.capture names them ('layers/0', "
+            f"'encoder:encode'), got {key!r}."
+        )
+    entries = tuple(value) if isinstance(value, list | tuple) else (value,)
+    for entry in entries:
+        if not hasattr(entry, "shape") or not hasattr(entry, "dtype"):
+            raise PatchError(
+                f"{WHO}: the value for call site {key!r} must be an array, or a tuple of "
+                f"arrays with one per call (as hx.capture gives them), got {entry!r}."
+            )
+    if not entries:
+        raise PatchError(f"{WHO}: the value for call site {key!r} is an empty sequence.")
+    return entries
+
+
+def patching(
+    values: Mapping[str, Any], *, positions: Any = None, axis: int = 1
+) -> contextlib.AbstractContextManager[None]:
+    """Replace the outputs of call sites with given values for the duration of a ``with`` block.
+
+    ``values`` maps call-site keys (as [`hx.capture`][hookax.capture] names them: ``"layers/3"``,
+    ``"encoder:encode"``) to the value their output takes: an array of the output's shape, or a
+    tuple with one per call (what ``hx.capture`` returns for the key: the i-th call gets the
+    i-th). An array with one more leading axis than the output holds one value per run of a call
+    site inside a loop: in a scan over stacked layers, layer ``l`` gets ``value[l]`` (the
+    unsuffixed key of a scanned stack patches every layer).
+
+    ``positions`` restricts the patch: ``None`` replaces the whole output; an index or a 1-d
+    array of indices along ``axis``; or a boolean mask ending at ``axis`` (shape ``(T,)`` over
+    the positions, ``(B, T)`` over batch and positions for ``axis=1``). Elsewhere the output is
+    the call's own.
+
+    Pass the values and positions as arguments of the jitted function that holds the block:
+    one trace then serves them all (arrays closed over are keyed by identity, so a new array
+    retraces, correctly). Works eagerly, under ``jax.jit``/``nnx.jit`` with the model as an
+    argument, inside ``jax.vmap`` (over positions or values) and scans over layers; stacked
+    values are counted with a JAX reference, which ``jax.grad`` through a scan does not support.
+
+    Args:
+      values: ``{key: value}``.
+      positions: which positions of each output to replace; default all.
+      axis: the position axis of the outputs.
+
+    Raises:
+      SelectorError: at the end of the block, when a key matched no call site that ran.
+      PatchError: a value or mask of the wrong shape for its call site (names the key, the
+        expected and the given shapes).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.tanh)
+      >>> @jax.jit
+      ... def run(model, x, value, pos):
+      ...     with hx.patching({"layers/0": value}, positions=pos):
+      ...         return model(x)
+      >>> x = jnp.ones((1, 3, 2))
+      >>> run(model, x, jnp.zeros((1, 3, 2)), 1)[0, :, 0] == 0
+      Array([False,  True, False], dtype=bool)
+    """
+    if not isinstance(values, Mapping) or not values:
+        raise PatchError(
+            f"{WHO}: values= takes a non-empty dict {{call-site key: value}}, got {values!r}. "
+            "Fix: hx.patching({'layers/3': clean_value})."
+        )
+    if not isinstance(axis, int | np.integer):
+        raise PatchError(f"{WHO}: axis= takes an int, got {axis!r}.")
+    items = tuple((k, _entries(k, v)) for k, v in values.items())
+    if positions is not None:
+        p = jnp.asarray(positions)
+        if p.dtype != jnp.bool_ and not jnp.issubdtype(p.dtype, jnp.integer):
+            raise PatchError(
+                f"{WHO}: positions= takes an index, indices or a boolean mask, got dtype "
+                f"{p.dtype}. Fix: positions=3 or positions=jnp.arange(T) == 3."
+            )
+    return _block((items, positions, int(axis)))
+
+
+@contextlib.contextmanager
+def _block(spec: tuple[Any, ...]) -> Iterator[None]:
+    items = spec[0]
+    state = _State(spec, jax.new_ref(jnp.zeros(len(items), jnp.int32)))
+    _LOCAL.blocks.append(state)
+    try:
+        with intercept(_interceptor(spec)):
+            yield
+    finally:
+        _LOCAL.blocks.remove(state)
+    _check(state, [k for k, _ in items])
+
+
+def _check(state: _State, keys: list[str]) -> None:
+    if not state.seen:  # nothing ran in Python (a cached trace): the first run checked it
+        return
+    for key in keys:
+        if key not in state.applied:
+            seen = sorted(state.seen)
+            near = difflib.get_close_matches(key, seen, n=6, cutoff=0.0) or seen[:6]
+            raise SelectorError(
+                f"{WHO}: the key {key!r} matched no call site; those that ran include "
+                f"{', '.join(repr(s) for s in near)}. Fix: use a key as hx.capture names it."
+            )

@@ -1,0 +1,151 @@
+"""Patch targets: which call sites a grid's ``where=`` names, their outputs, and the columns.
+
+``discover`` runs the function abstractly under an ``hx.intercept`` that records every call
+site's key and output shape (a scanned call site's output is one layer's), in call order.
+``expand`` turns ``where=`` (keys or path globs, ``"path:method"`` for a method other than
+``__call__``) into keys in that order; ``columns`` turns ``positions=`` into the patches of one
+row.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._engine.select import Select, check_glob, glob_to_regex
+from .._hooks.intercept import intercept
+from .._util.errors import SelectorError
+from . import compiled
+from .patch import PatchError, position_mask
+
+__all__ = ["Target", "columns", "discover", "expand", "selector"]
+
+Target = tuple[str, str]  # (path glob, method)
+_SHAPES: dict[Any, dict[str, list[Any]]] = {}
+
+
+def parse(where: Any, who: str) -> list[Target]:
+    """``where=`` as ``(path glob, method)`` pairs; a malformed one raises here."""
+    items = [where] if isinstance(where, str) else where
+    if not isinstance(items, list | tuple) or not items:
+        raise SelectorError(
+            f"{who}: where= takes a call-site key, a path glob or a list of them, got "
+            f"{where!r}. Fix: where='layers/*' or where=['layers/0', 'layers/1/mlp']."
+        )
+    out = []
+    for item in items:
+        if not isinstance(item, str):
+            raise SelectorError(f"{who}: where= entries are strings like 'layers/3', got {item!r}.")
+        path, _, method = item.partition(":")
+        if path:
+            check_glob(path)
+        out.append((path, method or "__call__"))
+    return out
+
+
+def selector(keys: list[str]) -> Any:
+    """A selector picking exactly these call-site keys (for ``hx.capture``)."""
+    sel: Any = None
+    for key in keys:
+        path, _, method = key.partition(":")
+        one = Select(paths=path, methods=method or "__call__")
+        sel = one if sel is None else sel | one
+    return sel
+
+
+def discover(fn: Any, args: tuple[Any, ...]) -> dict[str, list[Any]]:
+    """``{key: [output ShapeDtypeStruct per call]}`` of every call site ``fn(*args)`` runs,
+    keys in the order of their first call (found abstractly; cached by structure and shapes)."""
+    dyn, rest = compiled.split((fn, args))
+    cache_key = (rest, tuple(None if d is None else (d.shape, d.dtype) for d in dyn))
+    hit = _SHAPES.get(cache_key)
+    if hit is not None:
+        return hit
+    found: dict[str, list[Any]] = {}
+
+    def record(
+        next_fun: Callable[..., Any], args: tuple, kwargs: dict[str, Any], context: Any
+    ) -> Any:
+        calls = found.setdefault(context.key, [])  # keys in the order their first call started
+        out = next_fun(*args, **kwargs)
+        calls.append(jax.ShapeDtypeStruct(out.shape, out.dtype) if hasattr(out, "shape") else None)
+        return out
+
+    def run(dyn: list[Any]) -> Any:
+        f, a = compiled.join(dyn, rest)
+        with intercept(record):
+            return f(*a)
+
+    jax.eval_shape(run, dyn)
+    if len(_SHAPES) > 64:
+        _SHAPES.clear()
+    _SHAPES[cache_key] = found
+    return found
+
+
+def expand(targets: list[Target], found: dict[str, list[Any]], who: str) -> list[str]:
+    """The keys ``targets`` name, in call order within each; one that names none raises."""
+    keys: list[str] = []
+    for path, method in targets:
+        rx = glob_to_regex(path) if path else None
+        hits = [
+            k
+            for k in found
+            if (k.partition(":")[2] or "__call__") == method
+            and (rx.fullmatch(k.partition(":")[0]) if rx else k.partition(":")[0] == "")
+        ]
+        if not hits:
+            text = path if method == "__call__" else f"{path}:{method}"
+            near = difflib.get_close_matches(text, list(found), n=6, cutoff=0.0) or list(found)[:6]
+            raise SelectorError(
+                f"{who}: where={text!r} matched no call site; those that ran include "
+                f"{', '.join(repr(k) for k in near)}. Fix: use a key as hx.capture names it."
+            )
+        keys += [k for k in hits if k not in keys]
+    return keys
+
+
+def out_spec(key: str, found: dict[str, list[Any]], who: str) -> Any:
+    """The output shape of ``key``'s first call; its calls must all have one array shape."""
+    specs = found[key]
+    if specs[0] is None or any(s is None or s.shape != specs[0].shape for s in specs):
+        raise PatchError(
+            f"{who}: call site {key!r} returns {specs}; a patching target must return arrays "
+            f"of one shape. Fix: target a call site inside it that does."
+        )
+    return specs[0]
+
+
+def columns(positions: Any, axis: int, shapes: dict[str, Any], who: str) -> Any:
+    """The patches of one row: ``None`` (one patch, whole outputs) or an array whose leading
+    axis enumerates them, each an index or a mask as [`hx.patching`][hookax.patching] takes it."""
+    if positions is None:
+        return None
+    if isinstance(positions, str):
+        if positions != "each":
+            raise PatchError(
+                f"{who}: positions= takes 'each', None or an array of patches, got {positions!r}."
+            )
+        sizes = {}
+        for key, spec in shapes.items():
+            mask = position_mask(0, spec.shape, axis, key)  # checks the axis
+            sizes[key] = spec.shape[axis % len(spec.shape)] if mask is not None else 0
+        if len(set(sizes.values())) != 1:
+            raise PatchError(
+                f"{who}: positions='each' needs the same number of positions along axis "
+                f"{axis} in every target, got {sizes}. Fix: patch targets of one kind per grid."
+            )
+        return jnp.arange(next(iter(sizes.values())), dtype=jnp.int32)
+    cols = jnp.asarray(positions)
+    if cols.ndim < 1 or cols.shape[0] == 0:
+        raise PatchError(
+            f"{who}: positions= as an array has one patch per entry along its first axis "
+            f"(indices, or masks), got shape {tuple(cols.shape)}."
+        )
+    for key, spec in shapes.items():  # every patch fits every target (checks shapes early)
+        position_mask(cols[0], spec.shape, axis, key)
+    return cols

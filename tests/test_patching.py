@@ -1,0 +1,569 @@
+"""Activation patching: ``hx.patching``, ``hx.patch_grid``, ``hx.attribution_patch`` and the
+cache helpers, against a forward written out by hand.
+
+Every framework builds the same small decoder-like stack (``L`` residual blocks
+``x + tanh(causal_mean(x) @ W + b)``, then a readout) from its library layers with the same
+weights, and the scanned NNX model runs the same blocks stacked under ``nnx.scan``. ``reference``
+is that forward in plain JAX with an explicit edit after each block: the hand-patched model every
+patched value is compared with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import hookax as hx
+
+L, B, T, D, V = 3, 2, 5, 4, 3
+_k = jax.random.split(jax.random.key(7), 4)
+W = jax.random.normal(_k[0], (L, D, D)) / 2
+BIAS = jax.random.normal(_k[1], (L, D)) / 4
+W_OUT = jax.random.normal(_k[2], (D, V))
+CLEAN = jax.random.normal(_k[3], (B, T, D))
+CORRUPT = CLEAN.at[:, 1].set(-CLEAN[:, 1] + 1.0)
+
+
+def causal_mean(x: jax.Array) -> jax.Array:
+    return jnp.cumsum(x, axis=1) / jnp.arange(1, x.shape[1] + 1, dtype=x.dtype)[:, None]
+
+
+def metric(y: jax.Array) -> jax.Array:
+    return (y[:, -1, 0] - y[:, -1, 1]).sum()
+
+
+Edit = Callable[[int, jax.Array], jax.Array]
+
+
+def reference(x: jax.Array, edit: Edit | None = None) -> jax.Array:
+    """The model by hand; ``edit(layer, h)`` rewrites each block's output (the hand patch)."""
+    for layer in range(L):
+        x = x + jnp.tanh(causal_mean(x) @ W[layer] + BIAS[layer])
+        if edit is not None:
+            x = edit(layer, x)
+    return x @ W_OUT
+
+
+def reference_acts(x: jax.Array) -> list[jax.Array]:
+    acts: list[jax.Array] = []
+    reference(x, lambda layer, h: acts.append(h) or h)
+    return acts
+
+
+def mask_of(pos: Any) -> jax.Array:
+    """A position (or mask) as a mask broadcasting over (batch, position, features)."""
+    p = jnp.asarray(pos)
+    m = p if p.dtype == jnp.bool_ else (jnp.arange(T) == p)
+    return m[:, None]
+
+
+def hand_patch(target: int, value: jax.Array, pos: Any) -> Edit:
+    m = mask_of(pos) if pos is not None else True
+    return lambda layer, h: jnp.where(m, value, h) if layer == target else h
+
+
+# --- the models -------------------------------------------------------------------------------
+
+
+class NBlock(nnx.Module):
+    def __init__(self, layer: int) -> None:
+        self.lin = nnx.Linear(D, D, rngs=nnx.Rngs(0))
+        self.lin.kernel.set_value(W[layer])
+        self.lin.bias.set_value(BIAS[layer])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + jnp.tanh(self.lin(causal_mean(x)))
+
+
+class NModel(nnx.Module):
+    def __init__(self) -> None:
+        self.layers = nnx.List([NBlock(i) for i in range(L)])
+        self.out = nnx.Linear(D, V, use_bias=False, rngs=nnx.Rngs(0))
+        self.out.kernel.set_value(W_OUT)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+class LBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + jnp.tanh(nn.Dense(D, name="lin")(causal_mean(x)))
+
+
+class LModel(nn.Module):
+    def setup(self) -> None:
+        self.layers = [LBlock() for _ in range(L)]
+        self.out = nn.Dense(V, use_bias=False)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+LINEN_PARAMS = {
+    "params": {
+        **{f"layers_{i}": {"lin": {"kernel": W[i], "bias": BIAS[i]}} for i in range(L)},
+        "out": {"kernel": W_OUT},
+    }
+}
+
+
+def _eqx_linear(w: jax.Array, b: jax.Array | None) -> eqx.nn.Linear:
+    lin = eqx.nn.Linear(w.shape[0], w.shape[1], use_bias=b is not None, key=jax.random.key(0))
+    lin = eqx.tree_at(lambda m: m.weight, lin, w.T)
+    return lin if b is None else eqx.tree_at(lambda m: m.bias, lin, b)
+
+
+class EBlock(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + jnp.tanh(jax.vmap(jax.vmap(self.lin))(causal_mean(x)))
+
+
+class EModel(eqx.Module):
+    layers: list[EBlock]
+    out: eqx.nn.Linear
+
+    def __init__(self) -> None:
+        self.layers = [EBlock(_eqx_linear(W[i], BIAS[i])) for i in range(L)]
+        self.out = _eqx_linear(W_OUT, None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = layer(x)
+        return jax.vmap(jax.vmap(self.out))(x)
+
+
+class Scanned(nnx.Module):
+    """The same blocks stacked and run under ``nnx.scan``: one call site, ``"blocks"``."""
+
+    def __init__(self) -> None:
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def make(layer: jax.Array) -> NBlock:
+            return NBlock(0)
+
+        self.blocks = make(jnp.arange(L))
+        self.blocks.lin.kernel.set_value(W)
+        self.blocks.lin.bias.set_value(BIAS)
+        self.out = nnx.Linear(D, V, use_bias=False, rngs=nnx.Rngs(0))
+        self.out.kernel.set_value(W_OUT)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x: jax.Array, block: NBlock) -> jax.Array:
+            return block(x)
+
+        return self.out(body(x, self.blocks))
+
+
+@dataclasses.dataclass
+class Framework:
+    name: str
+    fn: Any  # what patch_grid takes: the model, or Linen's apply
+    pre: tuple[Any, ...]  # arguments before the input (Linen: the variables)
+    keys: list[str]  # the blocks' call-site keys
+    jit: Callable[[Callable[..., Any]], Callable[..., Any]]
+    state: Any  # what a jitted function takes: the model, or Linen's variables
+
+    def args(self, x: jax.Array) -> tuple[Any, ...]:
+        return (*self.pre, x)
+
+    def apply(self, state: Any, x: jax.Array) -> jax.Array:
+        return self.fn(state, x) if self.name == "linen" else state(x)
+
+
+def make(name: str) -> Framework:
+    if name == "nnx":
+        m = NModel()
+        return Framework(name, m, (), [f"layers/{i}" for i in range(L)], nnx.jit, m)
+    if name == "linen":
+        keys = [f"layers_{i}" for i in range(L)]
+        return Framework(name, LModel().apply, (LINEN_PARAMS,), keys, jax.jit, LINEN_PARAMS)
+    e = EModel()
+    return Framework(name, e, (), [f"layers/{i}" for i in range(L)], eqx.filter_jit, e)
+
+
+@pytest.fixture(params=["nnx", "linen", "equinox"])
+def fw(request: Any) -> Framework:
+    return make(request.param)
+
+
+def close(a: Any, b: Any, tol: float = 1e-5) -> None:
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+CLEAN_ACTS = reference_acts(CLEAN)
+CORRUPT_ACTS = reference_acts(CORRUPT)
+M_CORRUPT = metric(reference(CORRUPT))
+
+
+def test_the_models_are_the_reference(fw: Framework) -> None:
+    close(fw.fn(*fw.args(CLEAN)), reference(CLEAN))
+    close(Scanned()(CLEAN), reference(CLEAN))
+
+
+# --- hx.patching ------------------------------------------------------------------------------
+
+
+def as_mask(pos: Any) -> Any:
+    """``positions=`` as the boolean mask over positions it stands for (None: everywhere)."""
+    if pos is None:
+        return None
+    p = jnp.asarray(pos)
+    if p.dtype == jnp.bool_:
+        return p
+    return (jnp.arange(T)[:, None] == jnp.atleast_1d(p)[None, :]).any(-1)
+
+
+POSITIONS = [jnp.int32(0), jnp.int32(3), jnp.arange(T) >= 2, jnp.array([1, 4]), None]
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_patching_equals_the_hand_patched_model(fw: Framework, mode: str, traces: Any) -> None:
+    def run(state: Any, x: jax.Array, value: jax.Array, pos: Any, key: str) -> Any:
+        traces()
+        with hx.patching({key: value}, positions=pos):
+            return fw.apply(state, x)
+
+    # Eagerly each block with new values recompiles every operation: one layer is enough.
+    for layer, key in enumerate(fw.keys) if mode == "jit" else [(1, fw.keys[1])]:
+        f = run if mode == "eager" else fw.jit(lambda s, x, v, p, key=key: run(s, x, v, p, key))
+        for pos in POSITIONS:
+            args = (fw.state, CORRUPT, CLEAN_ACTS[layer], pos)
+            got = run(*args, key) if mode == "eager" else f(*args)
+            close(got, reference(CORRUPT, hand_patch(layer, CLEAN_ACTS[layer], as_mask(pos))))
+    if mode == "jit":  # one trace per key and kind of positions (index, mask, indices, None)
+        assert traces.n == L * 4
+
+
+def test_patching_under_jax_jit_with_the_model_as_argument_and_vmap(traces: Any) -> None:
+    model = NModel()
+
+    @jax.jit
+    def row(model: NModel, x: jax.Array, value: jax.Array, masks: jax.Array) -> jax.Array:
+        traces()
+
+        def one(mask: jax.Array) -> jax.Array:
+            with hx.patching({"layers/1": value}, positions=mask):
+                return metric(model(x))
+
+        return jax.vmap(one)(masks)
+
+    masks = jnp.eye(T, dtype=bool)
+    for value in (CLEAN_ACTS[1], CLEAN_ACTS[1] + 1.0):
+        want = [metric(reference(CORRUPT, hand_patch(1, value, masks[p]))) for p in range(T)]
+        close(row(model, CORRUPT, value, masks), jnp.stack(want))
+    assert traces.n == 1
+
+
+def test_a_block_around_a_jitted_function_keys_its_cache_by_the_values() -> None:
+    model = NModel()
+    forward = nnx.jit(lambda m, x: m(x))
+    plain = forward(model, CORRUPT)
+    for value in (CLEAN_ACTS[0], CLEAN_ACTS[0] * 2):
+        with hx.patching({"layers/0": value}, positions=2):
+            got = forward(model, CORRUPT)
+        close(got, reference(CORRUPT, hand_patch(0, value, jnp.arange(T) == 2)))
+    close(forward(model, CORRUPT), plain)
+
+
+class Twice(nnx.Module):
+    """One block called twice: one call site with two calls."""
+
+    def __init__(self) -> None:
+        self.block = NBlock(0)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.block(self.block(x))
+
+
+def test_a_tuple_gives_each_call_its_value() -> None:
+    model = Twice()
+    _, acts = hx.capture(model, where="block")(CLEAN)
+    assert len(acts["block"]) == 2
+
+    @nnx.jit
+    def run(model: Twice, x: jax.Array, values: tuple, pos: jax.Array) -> jax.Array:
+        with hx.patching({"block": values}, positions=pos):
+            return model(x)
+
+    def by_hand(x: jax.Array, pos: int) -> jax.Array:
+        m = (jnp.arange(T) == pos)[:, None]
+        for value in acts["block"]:
+            x = jnp.where(m, value, model.block(x))
+        return x
+
+    for pos in (0, 3):
+        close(run(model, CORRUPT, acts["block"], jnp.int32(pos)), by_hand(CORRUPT, pos))
+        close(run(model, CORRUPT, acts["block"], jnp.int32(pos)), by_hand(CORRUPT, pos))
+
+
+def all_layers_patch(clean: list[jax.Array], pos: Any) -> Edit:
+    """The scanned stack's unsuffixed key by hand: every layer patched with its clean value."""
+    m = True if pos is None else as_mask(pos)[:, None]
+    return lambda layer, h: jnp.where(m, clean[layer], h)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jit", "vmap"])
+def test_scanned_stack_every_layer_gets_its_own_value(mode: str) -> None:
+    model = Scanned()
+    _, acts = hx.capture(model, where="blocks")(CLEAN)
+    stacked = acts["blocks"][0]
+    assert stacked.shape == (L, B, T, D)
+    close(stacked, jnp.stack(CLEAN_ACTS))
+
+    def run(model: Scanned, x: jax.Array, value: jax.Array, pos: Any) -> jax.Array:
+        with hx.patching({"blocks": value}, positions=pos):
+            return model(x)
+
+    if mode == "vmap":
+        masks = jnp.eye(T, dtype=bool)
+        leaves, treedef = jax.tree.flatten(model)
+        one = lambda lv, m: run(jax.tree.unflatten(treedef, lv), CORRUPT, stacked, m)  # noqa: E731
+        got = jax.jit(jax.vmap(one, in_axes=(None, 0)))(leaves, masks)
+        want = [reference(CORRUPT, all_layers_patch(CLEAN_ACTS, masks[p])) for p in range(T)]
+        close(got, jnp.stack(want))
+        return
+    f = run if mode == "eager" else nnx.jit(run)
+    for pos in (jnp.int32(1), jnp.int32(4), None):
+        got = f(model, CORRUPT, acts["blocks"], pos)
+        close(got, reference(CORRUPT, all_layers_patch(CLEAN_ACTS, pos)))
+
+
+def test_a_key_that_matches_nothing_raises_naming_it() -> None:
+    model = NModel()
+    with pytest.raises(hx.SelectorError, match=r"'layers/9' matched no call site.*'layers/0'"):
+        _patched(model, {"layers/0": CLEAN_ACTS[0], "layers/9": CLEAN_ACTS[0]})
+    with pytest.raises(hx.SelectorError, match="'layer/1' matched no call site"):
+        nnx.jit(lambda m, v: _patched(m, {"layer/1": v}))(model, CLEAN_ACTS[1])
+
+
+def _patched(model: Any, values: dict, **kwargs: Any) -> Any:
+    with hx.patching(values, **kwargs):
+        return model(CORRUPT)
+
+
+def test_values_and_positions_of_the_wrong_shape_raise_naming_them() -> None:
+    model = NModel()
+    with pytest.raises(
+        hx.PatchError,
+        match=r"call site 'layers/1' has shape \(2, 4, 4\), but its output has shape "
+        r"\(2, 5, 4\)\. Expected \(2, 5, 4\), or \(n, 2, 5, 4\)",
+    ):
+        _patched(model, {"layers/1": CLEAN_ACTS[1][:, :4]})
+    with pytest.raises(hx.PatchError, match=r"mask has shape \(4,\), but call site 'layers/0'"):
+        _patched(model, {"layers/0": CLEAN_ACTS[0]}, positions=jnp.ones(4, bool))
+    with pytest.raises(hx.PatchError, match=r"axis=3 is out of range for call site 'layers/0'"):
+        _patched(model, {"layers/0": CLEAN_ACTS[0]}, positions=1, axis=3)
+    with pytest.raises(hx.PatchError, match="positions= takes an index, indices or a boolean"):
+        hx.patching({"layers/0": CLEAN_ACTS[0]}, positions=1.5)
+    with pytest.raises(hx.PatchError, match="must be an array"):
+        hx.patching({"layers/0": "clean"})
+    with pytest.raises(hx.PatchError, match="non-empty dict"):
+        hx.patching({})
+
+
+# --- hx.patch_grid ----------------------------------------------------------------------------
+
+
+def hand_grid(edit_for: Callable[[int, Any], Edit], rows: int) -> jax.Array:
+    """Every (row, position) cell by hand: one separately run, hand-patched forward each."""
+    return jnp.array(
+        [
+            [metric(reference(CORRUPT, edit_for(r, jnp.arange(T) == p))) for p in range(T)]
+            for r in range(rows)
+        ]
+    )
+
+
+LAYER_GRID = hand_grid(lambda layer, m: hand_patch(layer, CLEAN_ACTS[layer], m), L)
+
+
+def test_grid_equals_hand_patched_forwards(fw: Framework) -> None:
+    grid = hx.patch_grid(fw.fn, fw.args(CLEAN), fw.args(CORRUPT), metric, where=fw.keys)
+    assert grid.shape == (L, T)
+    close(grid, LAYER_GRID)
+    glob = "layers_*" if fw.name == "linen" else "layers/*"
+    close(hx.patch_grid(fw.fn, fw.args(CLEAN), fw.args(CORRUPT), metric, where=glob), grid)
+    whole = hx.patch_grid(
+        fw.fn, fw.args(CLEAN), fw.args(CORRUPT), metric, where=fw.keys, positions=None
+    )
+    assert whole.shape == (L,)
+    want = [metric(reference(CORRUPT, hand_patch(i, CLEAN_ACTS[i], None))) for i in range(L)]
+    close(whole, jnp.stack(want))
+
+
+def test_positions_masks_indices_and_chunks_give_the_same_grid() -> None:
+    model = NModel()
+    args = ((CLEAN,), (CORRUPT,), metric)
+    keys = ["layers/2", "layers/0"]  # rows in the order given
+    want = LAYER_GRID[jnp.array([2, 0])]
+    for kwargs in (
+        {},
+        {"chunk_size": 2},
+        {"chunk_size": 3},
+        {"chunk_size": 64},
+        {"positions": jnp.arange(T)},
+        {"positions": jnp.eye(T, dtype=bool), "chunk_size": 4},
+        {"positions": jnp.eye(T, dtype=bool)[:, None, :].repeat(B, 1)},  # (batch, position) masks
+    ):
+        close(hx.patch_grid(model, *args, where=keys, **kwargs), want)
+    two = hx.patch_grid(model, *args, where=keys, positions=jnp.array([[0, 3], [1, 4]]))
+    pairs = [jnp.isin(jnp.arange(T), jnp.array(p)) for p in ([0, 3], [1, 4])]
+    for r, layer in enumerate((2, 0)):
+        for c, m in enumerate(pairs):
+            close(two[r, c], metric(reference(CORRUPT, hand_patch(layer, CLEAN_ACTS[layer], m))))
+
+
+def test_scanned_stack_row_patches_every_layer() -> None:
+    model = Scanned()
+    grid = hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where="blocks", chunk_size=2)
+    want = hand_grid(lambda _, m: all_layers_patch(CLEAN_ACTS, m), 1)
+    close(grid, want)
+
+
+def test_grid_programs_are_reused_and_read_the_model_afresh(traces: Any) -> None:
+    model = NModel()
+
+    def counted(y: jax.Array) -> jax.Array:
+        traces()
+        return metric(y)
+
+    grid = hx.patch_grid(model, (CLEAN,), (CORRUPT,), counted, where="layers/*")
+    assert traces.n == L  # one program per row
+    close(hx.patch_grid(model, (CLEAN,), (CORRUPT,), counted, where="layers/*"), grid)
+    assert traces.n == L
+    model.out.kernel.set_value(-W_OUT)  # changed in place: the next grid sees it
+    close(hx.patch_grid(model, (CLEAN,), (CORRUPT,), counted, where="layers/*"), -grid)
+    assert traces.n == L
+
+
+def test_grid_targets_that_match_nothing_raise_naming_them() -> None:
+    model = NModel()
+    with pytest.raises(hx.SelectorError, match=r"where='layers/7' matched no call site.*'layers/"):
+        hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where=["layers/0", "layers/7"])
+    with pytest.raises(hx.SelectorError, match=r"where='mlp/\*' matched no call site"):
+        hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where="mlp/*")
+    with pytest.raises(hx.PatchError, match=r"mask has shape \(4,\), but call site 'layers/0'"):
+        hx.patch_grid(
+            model, (CLEAN,), (CORRUPT,), metric, where="layers/0", positions=jnp.ones((2, 4), bool)
+        )
+    with pytest.raises(hx.HookaxError, match="clean_args is the tuple of fn's positional"):
+        hx.patch_grid(model, CLEAN, (CORRUPT,), metric, where="layers/0")
+    with pytest.raises(hx.PatchError, match="chunk_size= takes a positive int"):
+        hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where="layers/0", chunk_size=0)
+
+
+# --- hx.attribution_patch ---------------------------------------------------------------------
+
+
+def hand_attribution() -> jax.Array:
+    """(clean - corrupted) . d metric / d (block output), d/d... by jax.grad of perturbations
+    added by hand after each block of the corrupted run; summed per (layer, position)."""
+
+    def perturbed(deltas: jax.Array) -> jax.Array:
+        return metric(reference(CORRUPT, lambda layer, h: h + deltas[layer]))
+
+    grads = jax.grad(perturbed)(jnp.zeros((L, B, T, D)))
+    diff = jnp.stack(CLEAN_ACTS) - jnp.stack(CORRUPT_ACTS)
+    return (diff * grads).sum(axis=(1, 3))  # (layer, position)
+
+
+ATTRIBUTION = hand_attribution()
+
+
+def test_attribution_equals_its_formula(fw: Framework) -> None:
+    args = (fw.fn, fw.args(CLEAN), fw.args(CORRUPT), metric)
+    got = hx.attribution_patch(*args, where=fw.keys)
+    assert got.shape == (L, T)
+    close(got, ATTRIBUTION)
+    close(hx.attribution_patch(*args, where=fw.keys, positions=None), ATTRIBUTION.sum(1))
+    grid = hx.patch_grid(*args, where=fw.keys)
+    # The first-order estimate of grid - metric(corrupt): close here, not equal.
+    corr = np.corrcoef(np.ravel(got), np.ravel(grid - M_CORRUPT))[0, 1]
+    assert corr > 0.9, corr
+
+
+def test_attribution_positions_and_masks_give_the_same_layout() -> None:
+    model = NModel()
+    args = (model, (CLEAN,), (CORRUPT,), metric)
+    keys = ["layers/1", "layers/2"]
+    want = ATTRIBUTION[1:]
+    close(hx.attribution_patch(*args, where=keys, positions=jnp.arange(T)), want)
+    close(hx.attribution_patch(*args, where=keys, positions=jnp.eye(T, dtype=bool)), want)
+    pairs = hx.attribution_patch(*args, where=keys, positions=jnp.array([[0, 3], [1, 4]]))
+    close(pairs, jnp.stack([want[:, [0, 3]].sum(1), want[:, [1, 4]].sum(1)], axis=1))
+
+
+def test_attribution_of_a_scanned_stack_sums_its_layers() -> None:
+    got = hx.attribution_patch(Scanned(), (CLEAN,), (CORRUPT,), metric, where="blocks")
+    close(got, ATTRIBUTION.sum(0, keepdims=True))
+
+
+def test_attribution_needs_a_scalar_metric() -> None:
+    with pytest.raises(hx.PatchError, match="the metric must return a scalar"):
+        hx.attribution_patch(NModel(), (CLEAN,), (CORRUPT,), lambda y: y[:, -1], where="layers/0")
+
+
+# --- cache helpers ----------------------------------------------------------------------------
+
+
+def test_stack_layers_is_one_layout_for_unrolled_and_scanned_stacks() -> None:
+    want = jnp.stack(CLEAN_ACTS)
+    _, unrolled = hx.capture(NModel(), where="layers/*")(CLEAN)
+    _, scanned = hx.capture(Scanned(), where="blocks")(CLEAN)
+    close(hx.stack_layers(unrolled, "layers/*"), want)
+    close(hx.stack_layers(scanned, "blocks"), want)
+    _, twice = hx.capture(Twice(), where="block")(CLEAN)
+    assert hx.stack_layers(twice, "block").shape == (2, B, T, D)  # one key, its calls
+    with pytest.raises(hx.SelectorError, match=r"where='layer/\*' matched no captured key"):
+        hx.stack_layers(unrolled, "layer/*")
+    with pytest.raises(hx.PatchError, match="'block' ran 2 times"):
+        hx.stack_layers(twice, "*")
+
+
+def test_logit_lens_reads_out_every_layer() -> None:
+    model = Scanned()
+    _, acts = hx.capture(model, where="blocks")(CLEAN)
+    lens = hx.logit_lens(model.out, acts, "blocks")
+    assert lens.shape == (L, B, T, V)
+    close(lens, jnp.stack([h @ W_OUT for h in CLEAN_ACTS]))
+    close(lens[-1], reference(CLEAN))  # the last layer's readout is the model's output
+
+
+def test_split_heads() -> None:
+    x = jnp.arange(2 * 3 * 8.0).reshape(2, 3, 8)
+    heads = hx.split_heads(x, 4)
+    assert heads.shape == (2, 3, 4, 2)
+    close(heads[:, :, 1], x[:, :, 2:4])
+    assert hx.split_heads(x.transpose(0, 2, 1), 2, axis=1).shape == (2, 2, 4, 3)
+    with pytest.raises(hx.PatchError, match="axis -1 has size 8, which 3 heads do not divide"):
+        hx.split_heads(x, 3)
+
+
+def test_patching_under_jax_grad_equals_the_hand_gradient() -> None:
+    model = NModel()
+    mask = jnp.arange(T) == 3
+
+    def patched(value: jax.Array) -> jax.Array:
+        with hx.patching({"layers/1": value}, positions=mask):
+            return metric(model(CORRUPT))
+
+    def by_hand(value: jax.Array) -> jax.Array:
+        return metric(reference(CORRUPT, hand_patch(1, value, mask)))
+
+    close(jax.jit(jax.grad(patched))(CLEAN_ACTS[1]), jax.grad(by_hand)(CLEAN_ACTS[1]))
