@@ -27,6 +27,14 @@ from ._diagnostics.gradflow import GradFlow as GradFlow
 from ._diagnostics.gradflow import grad_flow as grad_flow
 from ._diagnostics.gradflow import layer_grad_norms as layer_grad_norms
 from ._diagnostics.gradflow import plot_grad_flow as plot_grad_flow
+from ._diagnostics.logger import StatsLogger as StatsLogger
+from ._diagnostics.logger import read_events as read_events
+from ._diagnostics.nonfinite import Nonfinite as Nonfinite
+from ._diagnostics.nonfinite import find_nonfinite as find_nonfinite
+from ._diagnostics.stats import value_grad_and_stats as value_grad_and_stats
+from ._diagnostics.statsplot import plot_stats as plot_stats
+from ._diagnostics.statsview import SiteStats as SiteStats
+from ._diagnostics.statsview import Stats as Stats
 from ._diagnostics.values import Values as Values
 from ._diagnostics.values import show as show
 from ._engine.adapters import StaleTraceWarning as StaleTraceWarning
@@ -87,6 +95,7 @@ __all__ = [
     "HookaxError",
     "Interceptor",
     "Memory",
+    "Nonfinite",
     "OpContext",
     "OpRow",
     "Ops",
@@ -95,8 +104,11 @@ __all__ = [
     "Select",
     "Selector",
     "SelectorError",
+    "SiteStats",
     "Splice",
     "StaleTraceWarning",
+    "Stats",
+    "StatsLogger",
     "StoreError",
     "StoreReader",
     "Summary",
@@ -105,6 +117,7 @@ __all__ = [
     "Values",
     "attribution_patch",
     "capture",
+    "find_nonfinite",
     "grad_flow",
     "harvest",
     "hook_grad",
@@ -120,6 +133,8 @@ __all__ = [
     "patch_grid",
     "patching",
     "plot_grad_flow",
+    "plot_stats",
+    "read_events",
     "register_forward_hook",
     "register_forward_pre_hook",
     "register_full_backward_hook",
@@ -132,6 +147,7 @@ __all__ = [
     "summary",
     "token_batches",
     "value_and_grad",
+    "value_grad_and_stats",
 ]
 
 _ensure_installed()  # adapters of frameworks imported already (none is imported here)

@@ -77,15 +77,26 @@ def _eqx_value_and_grad(
 
 
 def _discover(
-    fn: Any, where: Any, ops: tuple[Any, ...], mode: Any, args: tuple, kwargs: dict
+    fn: Any,
+    where: Any,
+    ops: tuple[Any, ...],
+    mode: Any,
+    args: tuple,
+    kwargs: dict,
+    who: str = WHO,
+    marker: Any = _capture._Marker,
 ) -> tuple[list[Any], list[str]]:
-    """The records a capture of ``fn(*args)`` makes, as ``(key, spec, avals)``, abstractly; and
-    the keys in the order their first call started (the order ``hx.capture`` gives)."""
+    """The records a capture of ``fn(*args)`` makes, as ``(key, spec, avals, (axes, layered))``
+    (axes: the transforms each value left, :class:`hookax._transforms.tags.Record`; layered: the
+    session's one-layer selections, :func:`hookax._capture.capture.layer_split`), abstractly; and
+    the keys in the order their first call started (the order ``hx.capture`` gives). ``who`` and
+    ``marker``: the caller's name and its session marker (:func:`hookax._capture.capture.session`).
+    """
     found: list[Any] = []
     order: list[str] = []
 
     def probe(*a: Any, **k: Any) -> Any:
-        s = _capture.session(WHO, where, fn, a, k, ops=ops)
+        s = _capture.session(who, where, fn, a, k, ops=ops, marker=marker)
         s.run(fn, *a, **k)
         layered = s.session.layered
         found[:] = [(r.key, r.spec, (r.axes, layered)) for r in s.session.records]
@@ -229,18 +240,26 @@ def _mode(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], nums_pos: tupl
 
 
 def _planted(
-    fn: Callable[..., Any], where: Any, patterns: Any, records: list[Any], kwargs: dict[str, Any]
+    fn: Callable[..., Any],
+    where: Any,
+    patterns: Any,
+    records: list[Any],
+    kwargs: dict[str, Any],
+    who: str = WHO,
+    marker: Any = _capture._Marker,
 ) -> Callable[..., Any]:
     """``fn`` taking the perturbations as a last argument, planted on the recorded call sites."""
 
     def inner(*a: Any) -> Any:
         *fargs, p = a
-        s = _capture.session(WHO, where, fn, tuple(fargs), kwargs, "plant", p, patterns)
+        s = _capture.session(
+            who, where, fn, tuple(fargs), kwargs, "plant", p, patterns, marker=marker
+        )
         out = s.run(fn, *fargs, **kwargs)
         if s.session.used != len(p):
             key = records[s.session.used][0]
             raise HookaxError(
-                f"{WHO}: call site {key!r} ran fewer times while differentiating than when "
+                f"{who}: call site {key!r} ran fewer times while differentiating than when "
                 f"its outputs were measured; its gradients would be wrong. The function must "
                 f"call the same modules the same number of times for the same inputs."
             )

@@ -83,7 +83,16 @@ class _Marker:
                 args = _tags.mark(tuple(args), self.sid, in_key)
         if live is not None:
             live.starts.setdefault(key)
-        return _tags.mark(next_fun(*args, **kwargs), self.sid, key)
+        return self.tag(next_fun(*args, **kwargs), key)
+
+    def tag(self, out: Any, key: str) -> Any:
+        """Mark what this session carries for a selected call site (``key``: its key, with the
+        layers of a one-layer selection); return what its caller gets.
+
+        Here the output itself; a subclass may mark something derived from it (the
+        statistics taps of :mod:`hookax._diagnostics.stats` mark a small dummy instead).
+        """
+        return _tags.mark(out, self.sid, key)
 
 
 _EVERY_CALL_SITE = as_selector(None, ALL_METHODS)
@@ -122,18 +131,23 @@ class _Session:
         where: Any,
         ops: tuple[Any, ...] = (),
         inputs: bool = False,
+        marker: Callable[..., _Marker] = _Marker,
     ) -> None:
         self.session = session
         self.selector = selector
         self.where = where
         self.ops = ops
         self.inputs = inputs
+        self.marker = marker
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         s = self.session
         s.seen = set()
         s.matched = False
-        marker = _Marker(s.sid, self.selector, self.inputs)
+        if self.inputs:
+            marker = self.marker(s.sid, self.selector, True)
+        else:
+            marker = self.marker(s.sid, self.selector)
         entry = _intercept.Entry("intercept", marker, _EVERY_CALL_SITE)
         with contextlib.ExitStack() as stack:
             stack.enter_context(_intercept.scoped(entry))
@@ -214,16 +228,19 @@ def session(
     ops: tuple[Any, ...] = (),
     while_steps: int | None = None,
     inputs: bool = False,
+    marker: Callable[..., _Marker] = _Marker,
 ) -> _Session:
     """A session for ``who`` (``"hx.capture"``, ``"hx.value_and_grad"``) over ``fn(*args)``;
     ``ops`` are parsed ``ops=`` patterns, and ``where`` may be :data:`_NO_SITES`;
-    ``while_steps``: the rows each ``while`` loop stacks its iterations into (None: last only)."""
+    ``while_steps``: the rows each ``while`` loop stacks its iterations into (None: last only);
+    ``marker`` makes the interceptor from ``(sid, selector)``: a value-comparable
+    :class:`_Marker`."""
     if where is _NO_SITES:
         selector: Any = _NONE_SELECTED
     else:
         selector = as_selector(resolve_instances(where, (fn, args, kwargs)), CALL_ONLY)
     inner = _tags.Session(next_sid(), who, mode, probes, while_steps)
-    return _Session(inner, selector, where, ops, inputs)
+    return _Session(inner, selector, where, ops, inputs, marker)
 
 
 def where_and_ops(where: Any, ops: Any, who: str) -> tuple[Any, tuple[Any, ...]]:

@@ -480,7 +480,7 @@ def _spec(x: Any) -> str:
 
 
 class Listing:
-    """The rows one :func:`hx.ops` call collects (compared by identity: every listing
+    """The rows one [`hx.ops`][hookax.ops] call collects (compared by identity: every listing
     traces afresh)."""
 
     def __init__(self) -> None:

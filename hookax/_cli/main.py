@@ -1,6 +1,6 @@
 """``hookax``: the command's entry point. Builds the parser from the registered subcommands
-(``summary`` and ``gradflow`` in :mod:`hookax._cli.common`, ``ops`` and ``harvest`` here, each run
-from its own module) and maps errors to one line and an exit code.
+(``summary`` and ``gradflow`` in :mod:`hookax._cli.common`, ``ops``, ``stats-plot`` and ``harvest``
+here, each run from its own module) and maps errors to one line and an exit code.
 """
 
 from __future__ import annotations
@@ -77,6 +77,28 @@ register(
 )
 
 
+def _statsplot_arguments(c: argparse.ArgumentParser) -> None:
+    from .statsplot import add_arguments
+
+    add_arguments(c)
+
+
+def _statsplot(args: argparse.Namespace) -> None:
+    from .statsplot import run
+
+    run(args)
+
+
+register(
+    Command(
+        "stats-plot",
+        "per-layer statistics over the training steps (hx.StatsLogger's files), as a PNG figure",
+        _statsplot_arguments,
+        _statsplot,
+    )
+)
+
+
 def _harvest_parser(sub: Any) -> None:
     from .harvest import add_parser
 
@@ -120,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             require("flax", "nnx", f"hookax {args.command} --example (the examples are Flax NNX)")
         if args.command == "gradflow":
             require("matplotlib", "plot", "hookax gradflow (it draws a chart)")
+        if args.command == "stats-plot":
+            require("matplotlib", "plot", "hookax stats-plot (it draws a chart)")
+            require("tensorboardX", "tensorboard", "hookax stats-plot (it reads TensorBoard files)")
         if args.command == "harvest":
             require("tensorstore", "harvest", "hookax harvest (it writes a zarr store)")
         with _whole_tracebacks():

@@ -122,8 +122,9 @@ _KEY_METHOD = re.compile(r"^((?:[^:\[]|\[[^\]]*\])*)(?::(.*))?$", re.S)
 def split_method(key: str) -> tuple[str, str]:
     """A key or pattern as ``(path, method)``, the colon inside a layer range kept in the path.
 
-    >>> split_method("blocks/mlp[0:3]:encode"), split_method("blocks/mlp[1]")
-    (('blocks/mlp[0:3]', 'encode'), ('blocks/mlp[1]', ''))
+    Examples:
+      >>> split_method("blocks/mlp[0:3]:encode"), split_method("blocks/mlp[1]")
+      (('blocks/mlp[0:3]', 'encode'), ('blocks/mlp[1]', ''))
     """
     m = _KEY_METHOD.match(key)
     if m is None:  # an unbalanced '[': the glob check names it

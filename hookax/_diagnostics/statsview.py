@@ -1,0 +1,112 @@
+"""``hx.Stats``: the statistics of a step as one array, read as ``stats[key]["grad"]["norm"]``.
+
+A jitted function returns each leaf of its result as its own device buffer, and on a CPU each
+costs a few microseconds per call: the 120 scalars of ten statistics of twelve layers, as
+separate leaves, cost 0.3-0.5 ms a step, more than the statistics themselves
+(``benchmarks/bench_train.py``). So all of a step's statistics are one float32 array (one
+buffer), and :class:`Stats` is a pytree over it with the layout (keys, their leading axes, the
+statistics' names) as static data. Reading ``stats[key]`` slices that array: free inside a
+jitted function, one small operation outside it (fetch the whole thing first with
+``jax.device_get(stats)`` to read many values: then slices are numpy's).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+
+__all__ = ["SiteStats", "Stats"]
+
+KINDS = ("act", "grad")
+
+
+class SiteStats(Mapping[str, dict[str, Any]]):
+    """One call site's statistics: ``{"act": {name: value}, "grad": {name: value}}``.
+
+    ``array`` is the array behind them, ``(*leading axes, 2, len(names))``: row 0 the output's
+    statistics, row 1 its gradient's.
+    """
+
+    __slots__ = ("array", "names")
+
+    def __init__(self, array: Any, names: tuple[str, ...]) -> None:
+        self.array = array
+        self.names = names
+
+    def __getitem__(self, kind: str) -> dict[str, Any]:
+        if kind not in KINDS:
+            raise KeyError(kind)
+        row = KINDS.index(kind)
+        return {name: self.array[..., row, i] for i, name in enumerate(self.names)}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(KINDS)
+
+    def __len__(self) -> int:
+        return len(KINDS)
+
+    def __repr__(self) -> str:
+        return f"SiteStats({dict(self)!r})"
+
+
+@jax.tree_util.register_pytree_node_class
+class Stats(Mapping[str, SiteStats]):
+    """Per-call-site statistics of one step (:func:`hookax.value_grad_and_stats`): a mapping
+    from call-site key, in the order the call sites finished, to a :class:`SiteStats`.
+
+    A pytree with a single leaf, ``array`` (float32, the statistics of every call site one
+    after the other, under any batch axes a ``vmap`` around the step added), so it leaves a
+    jitted step as one buffer. ``layout`` holds each key's leading axes (one per layer of a
+    scan, per call of a call site called several times, per example of a ``vmap`` inside the
+    model); ``names`` the statistics.
+    """
+
+    __slots__ = ("array", "layout", "names")
+
+    def __init__(self, array: Any, layout: tuple[tuple[str, tuple[int, ...]], ...], names: Any):
+        self.array = array
+        self.layout = layout
+        self.names = tuple(names)
+
+    def _span(self, key: str) -> tuple[int, int, tuple[int, ...]]:
+        start = 0
+        per = 2 * len(self.names)
+        for k, lead in self.layout:
+            size = math.prod(lead) * per
+            if k == key:
+                return start, size, lead
+            start += size
+        raise KeyError(key)
+
+    def __getitem__(self, key: str) -> SiteStats:
+        start, size, lead = self._span(key)
+        v = self.array[..., start : start + size]
+        batch = tuple(self.array.shape[:-1])
+        return SiteStats(v.reshape(*batch, *lead, 2, len(self.names)), self.names)
+
+    def __iter__(self) -> Iterator[str]:
+        return (k for k, _ in self.layout)
+
+    def __len__(self) -> int:
+        return len(self.layout)
+
+    def __repr__(self) -> str:
+        keys = ", ".join(repr(k) for k in self)
+        return f"Stats(keys=[{keys}], names={self.names!r})"
+
+    def to_dict(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """The same values as plain nested dicts ``{key: {"act": {...}, "grad": {...}}}``."""
+        return {key: dict(site) for key, site in self.items()}
+
+    def tree_flatten(self) -> tuple[tuple[Any], tuple[Any, ...]]:
+        return (self.array,), (self.layout, self.names)
+
+    @classmethod
+    def tree_unflatten(cls, aux: tuple[Any, ...], children: Any) -> Stats:
+        out = object.__new__(cls)
+        out.array = children[0]
+        out.layout, out.names = aux
+        return out
