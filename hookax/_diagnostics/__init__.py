@@ -3,7 +3,7 @@
 train step (``stats``: ``hx.value_grad_and_stats``), their TensorBoard logger (``logger``:
 ``hx.StatsLogger``, ``hx.read_events``).
 
-May import: everything below the CLI (:mod:`hookax._util`, :mod:`hookax._engine`,
-:mod:`hookax._transforms`, :mod:`hookax._hooks`, :mod:`hookax.frameworks`, :mod:`hookax._capture`,
-:mod:`hookax._summary`, :mod:`hookax._harvest`).
+May import: everything below the CLI (``hookax._util``, ``hookax._engine``,
+``hookax._transforms``, ``hookax._hooks``, ``hookax.frameworks``, ``hookax._capture``,
+``hookax._summary``, ``hookax._harvest``).
 """

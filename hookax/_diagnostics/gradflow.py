@@ -1,15 +1,15 @@
 """Gradient flow: per-layer gradients from one backward pass, and their two-panel figure.
 
-Two things are measured, from the same backward pass (:func:`hookax.value_and_grad`):
+Two things are measured, from the same backward pass ([`hx.value_and_grad`][hookax.value_and_grad]):
 
 * **d loss / d (layer output)**: the 2-norm of the gradient with respect to each call site's
-  output (:func:`layer_grad_norms`). A call site inside a scan over layers is one value per layer
+  output (``layer_grad_norms``). A call site inside a scan over layers is one value per layer
   (stacked on the scan axis), shown as ``layers[3]/mlp``.
 * **d loss / d (parameters)**: the mean and the largest absolute value of the gradient of each
-  module's own parameters (:func:`param_grad_stats`), the two series of the familiar
+  module's own parameters (``param_grad_stats``), the two series of the familiar
   ``plot_grad_flow`` figures. Parameter-free models have none.
 
-:func:`plot_grad_flow` draws both on log axes that span every value (markers, not bars: a bar on a
+``plot_grad_flow`` draws both on log axes that span every value (markers, not bars: a bar on a
 log axis is measured from an arbitrary floor and exaggerates ratios); zero and non-finite
 gradients are drawn as their own markers, never dropped.
 """
@@ -230,7 +230,7 @@ class _Jitted:
     def gradients(
         cls, loss_fn: Any, where: Any, model: Any, inputs: tuple, kwargs: dict
     ) -> tuple[Any, dict[str, Any]]:
-        """``(grads, act_grads)`` of :func:`hookax.value_and_grad`, jitted the framework's way."""
+        """``(grads, act_grads)`` of ``hx.value_and_grad``, jitted the framework's way."""
         from .._capture.actgrad import value_and_grad
 
         run = cls.jit(lambda m, *xs, **kw: value_and_grad(loss_fn, where=where)(m, *xs, **kw)[1:])

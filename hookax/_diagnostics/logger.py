@@ -9,11 +9,11 @@ fetches, formats and writes them on its own thread.
 
 The writer is tensorboardX (the ``tensorboard`` extra): small, pure Python, maintained, and it
 writes the files TensorBoard reads without TensorFlow or TensorBoard installed. The values are
-also given as a flat ``{tag: float}`` dict (:func:`as_dict`, ``callback=``) for any other logger.
+also given as a flat ``{tag: float}`` dict (``as_dict``, ``callback=``) for any other logger.
 
 Tags: ``"{kind}_{stat}/{key}"`` (``"grad_norm/layers/0"``; the model's own output is
 ``"(model)"``; layer 3 of a scanned stack ``"blocks/attn[3]"``, the suffix
-:func:`hookax.harvest` uses), so TensorBoard groups one statistic of every layer in one section;
+``hx.harvest`` uses), so TensorBoard groups one statistic of every layer in one section;
 scalars passed by name (``loss=``) keep their name.
 """
 
@@ -50,9 +50,9 @@ def _index(shape: tuple[int, ...]) -> Iterator[tuple[str, tuple[int, ...]]]:
 
 
 def as_dict(stats: Mapping[str, Any] | None = None, **scalars: Any) -> dict[str, float]:
-    """``stats`` of :func:`hookax.value_grad_and_stats` (and named scalars) as ``{tag: float}``.
+    """``stats`` of ``hx.value_grad_and_stats`` (and named scalars) as ``{tag: float}``.
 
-    ``stats`` is an :class:`hookax.Stats` or any ``{key: {kind: {stat: value}}}`` mapping.
+    ``stats`` is an [`hx.Stats`][hookax.Stats] or any ``{key: {kind: {stat: value}}}`` mapping.
 
     A statistic with leading axes (one value per layer of a scanned stack, per call, per
     example) gives one tag per element: ``"act_norm/blocks/lin[3]"``. Values are fetched from the
@@ -82,21 +82,21 @@ def as_dict(stats: Mapping[str, Any] | None = None, **scalars: Any) -> dict[str,
 
 
 class StatsLogger:
-    """Write :func:`hookax.value_grad_and_stats` statistics every ``every`` steps, one TensorBoard
+    """Write ``hx.value_grad_and_stats`` statistics every ``every`` steps, one TensorBoard
     event per step holding all of them, from a background thread.
 
     ``logger.due(step)`` says whether to run the step with statistics;
     ``logger.log(step, stats, loss=loss)`` hands the step's values over without waiting for them:
-    they are fetched when the next step is logged (or at :meth:`flush`/:meth:`close`), on the
+    they are fetched when the next step is logged (or at ``flush()``/``close()``), on the
     logger's thread, which writes them to ``logdir`` (tensorboardX) and calls
     ``callback(step, {tag: value})``. An error on that thread is raised by the next
     ``log``/``flush``/``close``.
 
     Args:
       logdir: folder of the event files (created); None writes no files (``callback`` only).
-      every: the period of :meth:`due`.
+      every: the period of ``due()``.
       callback: called on the logger's thread with ``(step, as_dict(stats, **scalars))``.
-      max_pending: steps that may wait for the thread before :meth:`log` blocks.
+      max_pending: steps that may wait for the thread before ``log()`` blocks.
 
     Examples:
       >>> import tempfile
@@ -140,7 +140,11 @@ class StatsLogger:
         self._thread = threading.Thread(target=self._work, name="hx.StatsLogger", daemon=True)
         self._thread.start()
 
-    as_dict = staticmethod(as_dict)
+    @staticmethod
+    def as_dict(stats: Mapping[str, Any] | None = None, **scalars: Any) -> dict[str, float]:
+        """The statistics (and named scalars) as a flat ``{tag: float}`` dict, as the logger
+        writes them: ``"act_norm/blocks/lin[3]"``, one tag per layer of a scanned stack."""
+        return as_dict(stats, **scalars)
 
     def due(self, step: int) -> bool:
         """Whether ``step`` is one to measure: every ``every``-th step, from step 0."""

@@ -1,7 +1,7 @@
 """``hx.find_nonfinite``: the first call site whose output or gradient holds a NaN or an Inf.
 
 One compiled pass of the loss and its gradient with the ``"nonfinite"`` statistic
-(:mod:`hookax._diagnostics.stats`) gives, for every selected call site (and every layer of a
+(``hookax._diagnostics.stats``) gives, for every selected call site (and every layer of a
 scanned stack), the count of non-finite values in its output and in d loss / d (its output).
 The answer is the first non-zero count in execution order: the forward pass in the order the
 call sites finished (a layer's sublayers before the layer; the layers of a scan one after the
@@ -29,7 +29,7 @@ WHO = "hx.find_nonfinite"
 
 @dataclasses.dataclass(frozen=True)
 class Nonfinite:
-    """Where a step first produced a NaN or an Inf (:func:`find_nonfinite`).
+    """Where a step first produced a NaN or an Inf (``find_nonfinite``).
 
     Attributes:
       phase: ``"forward"`` (a call site's output), ``"loss"`` (every output finite, the loss
@@ -169,7 +169,7 @@ def find_nonfinite(
     ``hx.find_nonfinite(loss_fn, model, x, y)`` runs ``loss_fn(model, x, y)`` and its gradient
     once, compiled (``jax.jit``; ``eqx.filter_jit`` for Equinox), with every selected call site
     counting the non-finite values of its output and of d loss / d (its output) in place
-    (:func:`hookax.value_grad_and_stats`), and returns the first non-zero count in execution
+    (``hx.value_grad_and_stats``), and returns the first non-zero count in execution
     order: the forward pass (call sites in the order they finished, each layer of a scan in
     turn), then the backward pass (the reverse), then the parameters' gradients. ``None`` when
     the loss, every output and every gradient are finite. The arguments are not changed (a
@@ -187,7 +187,7 @@ def find_nonfinite(
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
     Returns:
-      A :class:`Nonfinite` (``str()`` says it in words), or None.
+      A ``Nonfinite`` (``str()`` says it in words), or None.
 
     Examples:
       >>> import jax.numpy as jnp

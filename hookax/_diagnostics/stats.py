@@ -2,20 +2,20 @@
 
 ``loss, grads, stats = hx.value_grad_and_stats(loss_fn)(model, x, y)``: beside the loss and the
 parameter gradients, statistics of each selected call site's output and of d loss / d (that
-output), read as ``stats[key]["grad"]["norm"]`` (:class:`hookax.Stats`: one small array, so one
+output), read as ``stats[key]["grad"]["norm"]`` ([`hx.Stats`][hookax.Stats]: one small array, so one
 buffer leaves the step). Nothing activation-sized leaves the step, and nothing activation-sized
 is kept for it.
 
 How (the best hand-written method measured, ``DESIGN.md`` point 19): each selected call site's
-output passes through an identity with a custom derivative, :func:`_tap`, that also takes a small
+output passes through an identity with a custom derivative, ``_tap``, that also takes a small
 zero dummy of ``2 * len(stats)`` numbers. Its forward rule reduces the output to its statistics
 in place (they are the rule's only residuals); its backward rule returns the cotangent unchanged
 and, as the dummy's cotangent, the forward statistics followed by the cotangent's. So the
 gradient with respect to the dummies *is* the statistics. The dummies are the probes of
-:func:`hookax.value_and_grad`'s mechanism (``_capture.actgrad``): marked at the call site
-(:class:`_StatsMarker`), they enter ``jit``, ``scan``, ``remat`` and ``cond`` as extra inputs, so
+``hx.value_and_grad``'s mechanism (``_capture.actgrad``): marked at the call site
+(``_StatsMarker``), they enter ``jit``, ``scan``, ``remat`` and ``cond`` as extra inputs, so
 a call site inside a scan over layers gets one row of statistics per layer, and a call site inside
-a ``vmap`` one per example, exactly as :func:`hookax.capture` lays out values.
+a ``vmap`` one per example, exactly as [`hx.capture`][hookax.capture] lays out values.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def value_grad_and_stats(
 
     ``loss, grads, stats = hx.value_grad_and_stats(loss_fn)(model, x, y)``. ``loss`` and
     ``grads`` are what the framework's own ``value_and_grad`` returns (as in
-    :func:`hookax.value_and_grad`); ``stats[key]["act"][name]`` is a statistic of that call
+    ``hx.value_and_grad``); ``stats[key]["act"][name]`` is a statistic of that call
     site's output and ``stats[key]["grad"][name]`` the same statistic of d loss / d (that output),
     float32, reduced inside the step: a scalar per call, one value per layer for a call site
     inside a scan over layers (leading axis), per example inside a ``vmap`` in the model. A call
@@ -207,7 +207,7 @@ def value_grad_and_stats(
     of hand-written taps (``benchmarks/bench_train.py``), with no activation-sized buffer.
 
     Works inside ``jax.jit``/``nnx.jit`` train steps (with optax), ``vmap`` around or inside the
-    model, ``nnx.scan``/``lax.scan`` over layers, ``remat``, as :func:`hookax.value_and_grad`
+    model, ``nnx.scan``/``lax.scan`` over layers, ``remat``, as ``hx.value_and_grad``
     does (and with its limits: not inside ``while_loop`` or a ``custom_vjp`` function). A call
     site whose output does not reach the loss reports zeros (JAX does not run its backward).
 
@@ -264,7 +264,7 @@ def run(
     marker: Any,
     who: str = WHO,
 ) -> tuple[Any, Any, list[Any], list[Any]]:
-    """``(value, grads, records, dummy gradients)``: the steps of :func:`hookax.value_and_grad`
+    """``(value, grads, records, dummy gradients)``: the steps of ``hx.value_and_grad``
     with the statistics marker (records as ``_actgrad._discover`` gives them); ``who`` names
     the caller in errors."""
     nums_pos = _actgrad._positions(nums, argnums, args)
@@ -278,7 +278,7 @@ def run(
 
 
 def layout(records: list[Any], g: list[Any], names: tuple[str, ...]) -> Stats:
-    """:class:`Stats` from the dummies' gradients, keys in the order their first call ended;
+    """``Stats`` from the dummies' gradients, keys in the order their first call ended;
     several calls of one call site stacked on a new leading axis."""
     per_key: dict[str, list[Any]] = {}
     for (key, _, _, (axes, layered)), v in zip(records, g):

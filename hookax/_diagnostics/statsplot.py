@@ -1,6 +1,6 @@
 """``hx.plot_stats``: one statistic of every layer over the training steps, from the logged files.
 
-Reads the event files :class:`hookax.StatsLogger` wrote (:func:`hookax.read_events`) and draws,
+Reads the event files ``hx.StatsLogger`` wrote (``hx.read_events``) and draws,
 for each statistic asked for (``"grad_norm"``, ``"act_max_abs"``, ...), one panel: a line per
 call site and layer over the steps, coloured from the first layer to the last (viridis), on a log
 axis when every value is positive. Non-finite values are marked at the top of the panel, never
@@ -73,7 +73,7 @@ def plot_stats(
     written to ``out`` (PNG) when given.
 
     Args:
-      logdir: the folder :class:`hookax.StatsLogger` wrote.
+      logdir: the folder [`hx.StatsLogger`][hookax.StatsLogger] wrote.
       stats: the statistics, one panel each: ``"{act|grad}_{statistic}"`` (``"grad_norm"``).
       where: a path glob over the call-site keys (``"blocks/*"``); default every one.
       out: where to write the PNG.

@@ -4,7 +4,7 @@ A jitted function returns each leaf of its result as its own device buffer, and 
 costs a few microseconds per call: the 120 scalars of ten statistics of twelve layers, as
 separate leaves, cost 0.3-0.5 ms a step, more than the statistics themselves
 (``benchmarks/bench_train.py``). So all of a step's statistics are one float32 array (one
-buffer), and :class:`Stats` is a pytree over it with the layout (keys, their leading axes, the
+buffer), and ``Stats`` is a pytree over it with the layout (keys, their leading axes, the
 statistics' names) as static data. Reading ``stats[key]`` slices that array: free inside a
 jitted function, one small operation outside it (fetch the whole thing first with
 ``jax.device_get(stats)`` to read many values: then slices are numpy's).
@@ -54,8 +54,8 @@ class SiteStats(Mapping[str, dict[str, Any]]):
 
 @jax.tree_util.register_pytree_node_class
 class Stats(Mapping[str, SiteStats]):
-    """Per-call-site statistics of one step (:func:`hookax.value_grad_and_stats`): a mapping
-    from call-site key, in the order the call sites finished, to a :class:`SiteStats`.
+    """Per-call-site statistics of one step (``hx.value_grad_and_stats``): a mapping
+    from call-site key, in the order the call sites finished, to a ``SiteStats``.
 
     A pytree with a single leaf, ``array`` (float32, the statistics of every call site one
     after the other, under any batch axes a ``vmap`` around the step added), so it leaves a

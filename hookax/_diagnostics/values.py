@@ -16,7 +16,7 @@ __all__ = ["ValueRow", "Values", "show"]
 
 @dataclasses.dataclass(frozen=True)
 class ValueRow:
-    """One array of :func:`show`'s table.
+    """One array of ``show``'s table.
 
     Attributes:
       name: the call-site key (``"(model)"`` for the model's own), ``#i`` for its i-th call
