@@ -30,6 +30,7 @@ from jax._src.interpreters import partial_eval as pe
 from jax._src.lax.control_flow import conditionals, loops
 
 from .._util.errors import HookaxError
+from .tagrules import _jaxprs_in
 
 __all__ = ["layer_index", "layer_index_p", "select"]
 
@@ -130,16 +131,6 @@ def select(pred: Any, on: Any, off: Any, site: str) -> Any:
 
 
 # ---- resolving the index when a scan is lowered --------------------------------------------
-
-
-def _jaxprs_in(params: dict) -> list[Any]:
-    out = []
-    for v in params.values():
-        if isinstance(v, core.ClosedJaxpr | core.Jaxpr):
-            out.append(v)
-        elif isinstance(v, tuple):
-            out.extend(x for x in v if isinstance(x, core.ClosedJaxpr | core.Jaxpr))
-    return out
 
 
 _HOLDS: weakref.WeakKeyDictionary[Any, tuple[bool, tuple[int, ...]]] = weakref.WeakKeyDictionary()
