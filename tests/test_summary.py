@@ -480,3 +480,24 @@ def test_linen_nn_scan_rows_once_with_trip_count_and_batch_stats():
     assert (s.totals.params, s.totals.state) == (5 * 72 + 16, (("batch_stats", 16, 64),))
     # The train switch reaches Linen's own `train` argument.
     assert hx.summary(Stack(), "f32[3,8]", train=False).rows[-1].flops < s.rows[-1].flops
+
+
+def test_a_pytree_of_many_leaves_is_one_line():
+    """A KV cache of 28 layers (56 arrays) is one cell line, counted by spec, in the title, the
+    inputs and the outputs; a pytree of a few leaves keeps one line per leaf."""
+
+    class Step(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+
+        def __call__(self, x, cache):
+            return self.lin(x), [(k * 2, v) for k, v in cache]
+
+    cache = [(jax.ShapeDtypeStruct((2, 3), jnp.float32),) * 2] * 28
+    s = hx.summary(Step(), "f32[2,4]", cache)
+    assert s.title == "Step(f32[2,4], cache: 56 x f32[2,3])"
+    assert s.rows[0].inputs == ("f32[2,4]", "cache: 56 x f32[2,3]")
+    assert s.rows[0].outputs == ("f32[2,4], 56 x f32[2,3]",)
+    assert len(str(s).splitlines()) < 20
+    few = hx.summary(Step(), "f32[2,4]", cache[:1])
+    assert few.rows[0].inputs == ("f32[2,4]", "cache/0/0: f32[2,3]", "cache/0/1: f32[2,3]")

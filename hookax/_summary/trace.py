@@ -160,10 +160,24 @@ class Whole:
         return cost.flops(traced), sum(kept)
 
 
+# A pytree with more leaves than this (a KV cache: two per layer) is one line: its leaves
+# counted by shape and dtype, ``"cache: 56 x f32[1,8,64]"``.
+_MANY = 4
+
+
 def _named(name: str, tree: Any) -> list[str]:
-    """Each leaf of ``tree`` described, prefixed by ``name`` and its key path in the tree."""
+    """Each leaf of ``tree`` described, prefixed by ``name`` and its key path in the tree; a tree
+    of many leaves in one line, its leaves counted by spec."""
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    if len(flat) > _MANY:
+        counts: dict[str, int] = {}
+        for _, leaf in flat:
+            spec = describe(leaf)
+            counts[spec] = counts.get(spec, 0) + 1
+        text = ", ".join(f"{n} x {spec}" if n > 1 else spec for spec, n in counts.items())
+        return [f"{name}: {text}" if name else text]
     out: list[str] = []
-    for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    for kp, leaf in flat:
         sub = jax.tree_util.keystr(kp, simple=True, separator="/")
         label = "/".join(s for s in (name, sub) if s)
         out.append(f"{label}: {describe(leaf)}" if label else describe(leaf))
