@@ -82,6 +82,7 @@ def call(
         # tracers die with the call instead of waiting for the cycle collector (Linen's and JAX's
         # leak checkers disable it).
         frame.context = None
+        frame.args = frame.layer = None  # the call's values (tracers) die with it too
         stack.pop()
         if not stack:
             adapter.root_done()
