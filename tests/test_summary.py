@@ -228,10 +228,10 @@ def test_rejected_input_propagates_with_the_call_site_named():
 
 
 def test_bad_arguments():
-    with pytest.raises(
-        hx.HookaxError, match="supports Flax NNX, Flax Linen and Equinox modules; got function"
-    ):
+    with pytest.raises(hx.HookaxError, match="none of the positional arguments is a module"):
         hx.summary(lambda x: x, jnp.ones(2))
+    with pytest.raises(hx.HookaxError, match="supports Flax NNX, Flax Linen and Equinox modules"):
+        hx.summary(object(), jnp.ones(2))
     with pytest.raises(hx.HookaxError, match=r"depth=\.\.\.\) takes an int >= 0 or None, got -1"):
         hx.summary(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.ones((1, 2)), depth=-1)
 
@@ -501,3 +501,36 @@ def test_a_pytree_of_many_leaves_is_one_line():
     assert len(str(s).splitlines()) < 20
     few = hx.summary(Step(), "f32[2,4]", cache[:1])
     assert few.rows[0].inputs == ("f32[2,4]", "cache/0/0: f32[2,3]", "cache/0/1: f32[2,3]")
+
+
+def test_a_function_that_calls_the_model():
+    """``hx.summary(forward, model, cache, tokens)`` as ``hx.capture`` takes a function: the rows
+    are the model's call sites, the same as summarising the model's own call."""
+    import equinox as eqx
+
+    class Step(nnx.Module):
+        def __init__(self):
+            self.lin = nnx.Linear(4, 4, rngs=nnx.Rngs(0))
+
+        def __call__(self, x, cache):
+            return self.lin(x) + cache
+
+    def forward(cache, model, x):
+        return model(x, cache) * 2.0
+
+    model = Step()
+    s = hx.summary(forward, "f32[2,4]", model, "f32[2,4]")
+    direct = hx.summary(model, "f32[2,4]", "f32[2,4]")
+    assert s.title == "forward(f32[2,4], f32[2,4])"  # positional arrays bare, as for a model
+    assert [(r.key, r.params) for r in s.rows] == [(r.key, r.params) for r in direct.rows]
+    assert s.rows[1].flops == direct.rows[1].flops
+    assert s.totals.params == direct.totals.params == 20
+    # The first row and the totals count the function's own work too (the * 2.0: 8 FLOPs).
+    assert s.totals.flops == direct.totals.flops + 8
+    em = eqx.nn.Linear(4, 3, key=jax.random.key(0))
+    e = hx.summary(lambda m, x: jnp.tanh(m(x)), em, "f32[4]")
+    assert e.totals.params == 15 and e.rows[0].outputs == ("f32[3]",)
+    with pytest.raises(hx.HookaxError, match="none of the positional arguments is a module"):
+        hx.summary(forward, "f32[2,4]", "f32[2,4]")
+    with pytest.raises(hx.HookaxError, match="cannot call forward"):
+        hx.summary(forward, model)

@@ -70,8 +70,21 @@ class _Linen:
         self.variables: Any = None
 
     def trace_calls(
-        self, model: Any, args: tuple, kwargs: dict, *, method: str, train: bool | None
+        self,
+        model: Any,
+        args: tuple,
+        kwargs: dict,
+        *,
+        method: str,
+        train: bool | None,
+        call: Any = None,
     ) -> trace.Whole:
+        if call is not None:
+            raise HookaxError(
+                "hx.summary of a function that calls a Linen module is not supported (Linen "
+                "modules run through apply with their variables). Fix: summarise the module "
+                "itself, hx.summary(model, *inputs), or wrap the function's work in a method."
+            )
         kwargs = {**_linen_train_kwargs(model, method, train), **kwargs}
         flat = trace.Flat.of((args, kwargs))
         if model.scope is not None:
@@ -129,7 +142,14 @@ class _Equinox:
     """Equinox: the model's arrays abstract, the rest static."""
 
     def trace_calls(
-        self, model: Any, args: tuple, kwargs: dict, *, method: str, train: bool | None
+        self,
+        model: Any,
+        args: tuple,
+        kwargs: dict,
+        *,
+        method: str,
+        train: bool | None,
+        call: Any = None,
     ) -> trace.Whole:
         import equinox as eqx
 
@@ -140,7 +160,8 @@ class _Equinox:
 
         def forward(dyn: Any, dynamic: list[Any]) -> Any:
             a, k = flat.rebuild(dynamic)
-            return getattr(eqx.combine(dyn, static), method)(*a, **k)
+            m = eqx.combine(dyn, static)
+            return getattr(m, method)(*a, **k) if call is None else call(m, *a, **k)
 
         return trace.trace_whole(forward, (trace.abstract(dyn), flat.dynamic), _eqx_site)
 

@@ -239,7 +239,10 @@ def summary(
 
     Args:
       model: a Flax NNX module; a Flax Linen module (unbound: its variables are initialised
-        abstractly, or bound: its variables are used); or an Equinox module.
+        abstractly, or bound: its variables are used); or an Equinox module. Or a function that
+        calls one, as [`hx.capture`][hookax.capture] takes: ``hx.summary(forward, model, cache,
+        tokens)``; the rows are the call sites of the first NNX or Equinox module among its
+        positional arguments, and the first row and the totals count the function's own work.
       *example_args: its positional arguments: arrays, ``jax.ShapeDtypeStruct``\\ s, spec
         strings like ``"f32[8,784]"``, or anything else the method takes.
       depth: keep rows at most this deep (see [`SummaryRow`][hookax.SummaryRow]'s ``depth``: the
@@ -272,17 +275,22 @@ def summary(
       >>> s.totals.vjp_flops  # forward and backward
       98784
     """
-    backend = _check(model, depth, method, train)
     args, kwargs = _specs_to_structs(example_args), _specs_to_structs(example_kwargs)
-    sig = _signature(model, method)
-    if train is not None and sig is not None and "train" in sig.parameters:
-        kwargs["train"] = train  # a model's own train= argument gets the switch too
-    _check_arguments(model, method, args, kwargs)
+    name, call = None, None
+    if _is_function(model):  # hx.summary(forward, model, cache, tokens), as hx.capture takes
+        name = getattr(model, "__name__", "function")
+        model, args, call, sig = _function_call(model, args, kwargs, method)
+    backend = _check(model, depth, method, train)
+    if call is None:
+        sig = _signature(model, method)
+        if train is not None and sig is not None and "train" in sig.parameters:
+            kwargs["train"] = train  # a model's own train= argument gets the switch too
+        _check_arguments(model, method, args, kwargs)
     from . import cost
     from .trace import describe_call
 
     # 1. one abstract trace of the whole call, recording every call site
-    whole = backend.trace_calls(model, args, kwargs, method=method, train=train)
+    whole = backend.trace_calls(model, args, kwargs, method=method, train=train, call=call)
     colls = backend.collections(model, variables)
     trips = cost.site_trips(whole.traced.jaxpr.jaxpr)
     records = _drop_discarded_traces(whole.records, trips)
@@ -293,7 +301,7 @@ def summary(
     return Summary(
         fold(rows, depth),
         totals,
-        model=type(model).__name__,
+        model=type(model).__name__ if name is None else name,
         method=method,
         inputs=describe_call(sig, args, kwargs),
     )
@@ -433,6 +441,58 @@ def _specs_to_structs(tree: Any) -> Any:
     if isinstance(tree, dict):
         return {k: convert(v) for k, v in tree.items()}
     return tuple(convert(x) for x in tree)
+
+
+def _is_function(obj: Any) -> bool:
+    """A plain function (or other callable) rather than a module of a supported framework."""
+    from .._engine.adapters import adapter_for
+
+    return callable(obj) and not isinstance(obj, type) and adapter_for(obj) is None
+
+
+def _function_call(
+    fn: Any, args: tuple, kwargs: dict, method: str
+) -> tuple[Any, tuple, Any, inspect.Signature | None]:
+    """For ``hx.summary(fn, *args)``: the first module among ``args`` (the model whose call
+    sites are the rows), the other arguments, how to call ``fn`` with the model, and ``fn``'s
+    signature without the model's parameter (for the title)."""
+    from .._engine.adapters import adapter_for
+
+    if method != "__call__":
+        raise HookaxError(
+            f"hx.summary: method={method!r} applies to a module; {fn!r} is a function. Fix: "
+            "call the method inside the function."
+        )
+    at = next((i for i, a in enumerate(args) if adapter_for(a) is not None), None)
+    if at is None:
+        raise HookaxError(
+            f"hx.summary({getattr(fn, '__name__', fn)!r}, ...): none of the positional "
+            "arguments is a module, so there is no model to summarise. Fix: pass the model as "
+            "an argument of the function: hx.summary(forward, model, cache, tokens)."
+        )
+    model, rest = args[at], args[:at] + args[at + 1 :]
+
+    def call(m: Any, *a: Any, **k: Any) -> Any:
+        return fn(*a[:at], m, *a[at:], **k)
+
+    sig: inspect.Signature | None
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature: leave it to the call
+        sig = None
+    if sig is not None:
+        try:
+            sig.bind(*args, **kwargs)
+        except TypeError as e:
+            raise HookaxError(
+                f"hx.summary cannot call {getattr(fn, '__name__', fn)}{sig}: {e}. Fix: pass "
+                "the function's arguments after it, the model among them."
+            ) from None
+        params = list(sig.parameters.values())
+        del params[at]
+        first = inspect.Parameter("_model", inspect.Parameter.POSITIONAL_ONLY)
+        sig = sig.replace(parameters=[first, *params])  # describe_call skips the first
+    return model, rest, call, sig
 
 
 def _signature(model: Any, method: str) -> inspect.Signature | None:

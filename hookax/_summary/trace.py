@@ -449,7 +449,14 @@ class NNX:
     """Flax NNX: ``nnx.split`` / ``nnx.merge`` on abstract state."""
 
     def trace_calls(
-        self, model: Any, args: tuple, kwargs: dict, *, method: str, train: bool | None
+        self,
+        model: Any,
+        args: tuple,
+        kwargs: dict,
+        *,
+        method: str,
+        train: bool | None,
+        call: Any = None,
     ) -> Whole:
         from flax import nnx
 
@@ -461,7 +468,7 @@ class NNX:
             m = nnx.merge(graphdef, state)
             if train is not None:
                 m.train() if train else m.eval()
-            return getattr(m, method)(*a, **k)
+            return getattr(m, method)(*a, **k) if call is None else call(m, *a, **k)
 
         return trace_whole(forward, (abstract(state), flat.dynamic), _nnx_site)
 
