@@ -102,3 +102,16 @@ def test_inputs_of_one_layer_of_a_scanned_stack():
     for i in range(2):
         h = h + jnp.tanh(h @ w[i] + b[i])
     np.testing.assert_allclose(acts["blocks/mlp[2]:in"][0], h, rtol=1e-5, atol=1e-6)
+
+
+def test_harvest_stores_inputs_as_capture_records_them(tmp_path):
+    model = Res()
+    batches = [X, X * 2.0]
+    h = hx.harvest(model, batches, where="blocks/1", inputs=True, store=tmp_path / "s.zarr")
+    assert sorted(h.names) == ["blocks/1", "blocks/1:in"]
+    store = hx.open_store(tmp_path / "s.zarr")
+    for i, x in enumerate(batches):
+        _, acts = hx.capture(model, where="blocks/1", inputs=True)(x)
+        rows = slice(2 * i, 2 * i + 2)
+        np.testing.assert_allclose(store.read("blocks/1:in")[rows], acts["blocks/1:in"][0])
+        np.testing.assert_allclose(store.read("blocks/1")[rows], acts["blocks/1"][0])

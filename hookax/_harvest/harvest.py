@@ -134,6 +134,7 @@ def harvest(
     mask: Callable[..., Any] | None = None,
     row_axes: int = 1,
     while_steps: int | None = None,
+    inputs: bool = False,
     overwrite: bool = False,
     metadata: Any = None,
     progress: bool | None = None,
@@ -182,6 +183,9 @@ def harvest(
       row_axes: how many leading axes of each output are rows (``mask``'s number of axes).
       while_steps: keep every iteration of each ``lax.while_loop``, up to this many (as
         [`hx.capture`][hookax.capture]); default the last iteration only.
+      inputs: also store each selected call's inputs as its caller passed them, named
+        ``"key:in"`` (``"blocks/0:in"``: the residual stream before a block), as
+        [`hx.capture`][hookax.capture]'s ``inputs=True`` records them.
       overwrite: replace the hookax store at ``store``. Only a hookax store holding nothing but
         what hookax wrote, or an empty folder, is replaced; any other folder (and ``.``, the
         home folder and the folders above them, whatever they hold) raises with every file
@@ -236,7 +240,9 @@ def harvest(
     first = next(it, None)
     if first is None:
         raise HookaxError("hx.harvest: batches is empty: there is nothing to harvest.")
-    plan = _plan(fn, first, path, where, ops, dtype, mask, row_axes, overwrite, metadata, bound)
+    plan = _plan(
+        fn, first, path, where, ops, dtype, mask, row_axes, overwrite, metadata, bound, inputs
+    )
     process, processes = jax.process_index(), jax.process_count()
     s, start = _open_store(path, plan, overwrite, fsync, process, processes)
     bar = Progress(shown(progress) and process == 0, total, start)
@@ -288,6 +294,7 @@ def _plan(
     overwrite: bool,
     metadata: Any,
     bound: int | None = None,
+    inputs: bool = False,
 ) -> _Plan:
     """Trace the step on the first batch: what the store holds. A new store computes batch 0
     meanwhile (it is written first); a store to resume only needs the shapes."""
@@ -296,7 +303,7 @@ def _plan(
     from .write import start_transfers
 
     where, patterns = where_and_ops(where, ops, "hx.harvest")
-    step = Step.cached(fn, where, patterns, dtype, mask, row_axes, as_args(first), bound)
+    step = Step.cached(fn, where, patterns, dtype, mask, row_axes, as_args(first), bound, inputs)
     early = None
     if overwrite or not (path / META).exists():  # a new store: batch 0 computes meanwhile
         early = step(*as_args(first))

@@ -81,13 +81,18 @@ def _scans(axes: tuple[tuple[str, Any], ...]) -> int:
 
 
 def _outputs(
-    f: Any, where: Any, ops: tuple[Any, ...], args: tuple[Any, ...], while_steps: int | None = None
+    f: Any,
+    where: Any,
+    ops: tuple[Any, ...],
+    args: tuple[Any, ...],
+    while_steps: int | None = None,
+    inputs: bool = False,
 ) -> list[tuple[str, Origin, Any]]:
     """``(name, origin, value)`` for every array leaf of every selected call's output, as
     :func:`hookax.capture` collects them, and how many scan axes lead each."""
     from .._capture.capture import layer_keys, layer_split, session
 
-    s = session("hx.harvest", where, f, args, {}, ops=ops, while_steps=while_steps)
+    s = session("hx.harvest", where, f, args, {}, ops=ops, while_steps=while_steps, inputs=inputs)
     s.run(f, *args)
     layered = s.session.layered
     calls: dict[str, list[Any]] = {
@@ -165,13 +170,14 @@ class Step:
         row_axes: int,
         first: tuple[Any, ...],
         while_steps: int | None = None,
+        inputs: bool = False,
     ) -> None:
         self.origin: dict[str, Origin] = {}
         whole = replication(first)
 
         def body(f: Any, *args: Any) -> tuple[dict[str, Any], Any]:
             values = {}
-            for name, origin, v in _outputs(f, where, ops, args, while_steps):
+            for name, origin, v in _outputs(f, where, ops, args, while_steps, inputs):
                 self.origin[name] = origin
                 values[name] = _cast(v, dtype)
             if mask is None:
@@ -202,6 +208,7 @@ class Step:
         row_axes: int,
         first: tuple[Any, ...],
         while_steps: int | None = None,
+        inputs: bool = False,
     ) -> Step:
         """The step of an earlier run with the same arguments (its compilations kept), or a
         new one. Objects are compared by identity, and kept alive by the cache."""
@@ -219,11 +226,12 @@ class Step:
             row_axes,
             replication(first),
             while_steps,
+            inputs,
         )
         hit = _CACHE.get(key)
         if hit is not None and hit[0] is fn and hit[1] is mask:
             return hit[2]
-        step = cls(fn, where, ops, dtype, mask, row_axes, first, while_steps)
+        step = cls(fn, where, ops, dtype, mask, row_axes, first, while_steps, inputs)
         _CACHE[key] = (fn, mask, step)
         while len(_CACHE) > 4:
             del _CACHE[next(iter(_CACHE))]
