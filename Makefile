@@ -50,7 +50,7 @@ test-oldest: $(VENV)/.installed-dev
 
 # The tests marked `slow` (CI runs them after `make test`).
 test-slow: $(VENV)/.installed-dev
-	$(BIN)/nox -s slow
+	$(BIN)/nox -s slow oldest-slow
 
 test-wheel: $(VENV)/.installed-dev
 	$(BIN)/nox -s wheel

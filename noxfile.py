@@ -22,7 +22,7 @@ import nox
 
 nox.options.default_venv_backend = "uv|venv"
 nox.options.reuse_venv = "yes"
-nox.options.sessions = ["newest", "oldest", "slow", "wheel"]
+nox.options.sessions = ["newest", "oldest", "slow", "oldest-slow", "wheel"]
 
 PYTHON = "3.11"
 ENV = {
@@ -85,6 +85,16 @@ def oldest(session: nox.Session) -> None:
     session.install("-c", "constraints-oldest.txt", "-e", ".[test]")
     session.run("python", ".ci/check_pins.py", "constraints-oldest.txt")
     args = session.posargs or [*OLDEST_TESTS, "-k", OLDEST_DESELECT, "-m", "not slow"]
+    warnings = ["-W", "ignore::DeprecationWarning"]
+    session.run("python", "-m", "pytest", "-q", *WORKERS, *warnings, *args, env=ENV)
+
+
+@nox.session(python=PYTHON, name="oldest-slow")
+def oldest_slow(session: nox.Session) -> None:
+    """The oldest set's tests marked ``slow`` (CI runs them after ``make test``, so the oldest
+    set checks everything it did before tests moved to the ``slow`` marker)."""
+    session.install("-c", "constraints-oldest.txt", "-e", ".[test]")
+    args = session.posargs or [*OLDEST_TESTS, "-k", OLDEST_DESELECT, "-m", "slow"]
     warnings = ["-W", "ignore::DeprecationWarning"]
     session.run("python", "-m", "pytest", "-q", *WORKERS, *warnings, *args, env=ENV)
 
