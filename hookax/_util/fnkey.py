@@ -106,33 +106,36 @@ class RecompileWarning(UserWarning):
     """
 
 
-# code object -> [the last key made from it, how many times in a row it changed, warned]
+# code object -> [hash of the last key made from it, hash of that key with its arrays masked,
+# how many times in a row it changed in its arrays only, warned]. Hashes only: the table must
+# not keep a function (or what its closure holds) alive.
 _FRESH: dict[Any, list[Any]] = {}
 _FRESH_LIMIT = 8  # changes in a row before the warning
 
 
 def note_fresh(key: FnKey, who: str) -> None:
     """Warn once per function when ``who`` (``"hx.intercept"``) keeps getting a new key for the
-    same code: a closure over a new object or constant each call."""
+    same code: a closure over a new array each call."""
     code = getattr(key.fn, "__code__", None)
     if code is None:
         return
+    h, masked = key._hash, hash(_masked(key._key))
     seen = _FRESH.get(code)
     if seen is None:
         if len(_FRESH) > 4096:  # many distinct functions: forget the oldest
             _FRESH.pop(next(iter(_FRESH)))
-        _FRESH[code] = [key, 0, False]
+        _FRESH[code] = [h, masked, 0, False]
         return
-    if seen[0] == key:
-        seen[1] = 0
+    if seen[0] == h:
+        seen[2] = 0
         return
     # Only a change of arrays held by identity counts (the footgun: a new array each step);
     # different constants, strings or objects are different functions on purpose.
-    only_arrays = _masked(seen[0]._key) == _masked(key._key)
-    seen[0] = key
-    seen[1] = seen[1] + 1 if only_arrays else 0
-    if seen[1] >= _FRESH_LIMIT and not seen[2]:
-        seen[2] = True
+    only_arrays = seen[1] == masked
+    seen[0], seen[1] = h, masked
+    seen[2] = seen[2] + 1 if only_arrays else 0
+    if seen[2] >= _FRESH_LIMIT and not seen[3]:
+        seen[3] = True
         import warnings
 
         name = getattr(key.fn, "__qualname__", repr(key.fn))
