@@ -111,7 +111,7 @@ def _run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dic
         if e.kind == "intercept":
             hit = e.selector.matches(ctx)
             if hit:
-                if getattr(e.key, "records_output", False):
+                if e.records:
                     # Captures record what the caller received: they run outside every
                     # interceptor, whichever was entered first.
                     if recorders is None:

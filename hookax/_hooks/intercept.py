@@ -37,13 +37,14 @@ class Entry:
     with an equal entry reuses the same object, and JAX's comparisons stop at identity.
     """
 
-    __slots__ = ("__weakref__", "_hash", "key", "kind", "layered", "selector")
+    __slots__ = ("__weakref__", "_hash", "key", "kind", "layered", "records", "selector")
 
     def __init__(self, kind: str, key: Any, selector: Selector) -> None:
         self.kind = kind
         self.key = key  # a FnKey for a function; for hooks, the tuple of hook records
         self.selector = selector
         self.layered = selector.has_layers()  # a path names layers of a scan: "blocks/attn[3]"
+        self.records = getattr(key, "records_output", False)  # a capture's marker: outermost
         self._hash = hash((kind, key, selector))
 
     def __eq__(self, other: object) -> bool:

@@ -91,7 +91,7 @@ def layer_index(dep: Any, site: str, wanted: frozenset[int] | None = None) -> ja
 
 def _first_array(tree: Any) -> Any:
     for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array | core.Tracer) and jnp.ndim(leaf) >= 0:
+        if isinstance(leaf, jax.Array | core.Tracer):
             return leaf
     return None
 
@@ -112,7 +112,7 @@ def select(pred: Any, on: Any, off: Any, site: str) -> Any:
             out.append(a)
             continue
         if not isinstance(a, jax.Array | core.Tracer) or not isinstance(b, jax.Array | core.Tracer):
-            if a is b or (type(a) is type(b) and a == b):
+            if type(a) is type(b) and a == b:
                 out.append(a)
                 continue
             raise HookaxError(
