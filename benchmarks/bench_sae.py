@@ -160,8 +160,25 @@ class MLP(nnx.Module):
         return x
 
 
-def layer_vs_forward(root: Path) -> tuple[float, float]:
-    model = MLP(nnx.Rngs(0))
+class ScannedMLP(nnx.Module):
+    """The same layers stacked and run with ``nnx.scan``: ``"layers[2]"`` is the third's output."""
+
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        @nnx.split_rngs(splits=LAYERS)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs: nnx.Rngs) -> Layer:
+            return Layer(rngs)
+
+        self.layers = make(rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        def step(x: jax.Array, layer: Layer) -> jax.Array:
+            return layer(x)
+
+        return nnx.scan(step, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(x, self.layers)
+
+
+def layer_vs_forward(root: Path, model: nnx.Module, where: str) -> tuple[float, float]:
     rng = np.random.default_rng(0)
     xs = [
         jnp.asarray(rng.normal(size=(LAYER_BATCH, WIDTH)), jnp.float32)
@@ -179,7 +196,9 @@ def layer_vs_forward(root: Path) -> tuple[float, float]:
 
     def harvest(i: int) -> float:
         t0 = time.perf_counter()
-        hx.harvest(model, xs, where="layers/2", store=root / f"layer{i}", progress=False)
+        hx.harvest(
+            model, xs, where=where, store=root / f"{type(model).__name__}{i}", progress=False
+        )
         return time.perf_counter() - t0
 
     forward(), harvest(0)  # compile
@@ -256,11 +275,27 @@ def _main(root: Path) -> dict[str, Any]:
         f"throughput); reading a batch alone: {read_ms:.2f} ms"
     )
 
-    layer_s, forward_s = layer_vs_forward(root)
+    layer_s, forward_s = layer_vs_forward(root, MLP(nnx.Rngs(0)), "layers/2")
+    scan_s, scan_forward_s = layer_vs_forward(root, ScannedMLP(nnx.Rngs(0)), "layers[2]")
+    print(f"\nharvest of layer 2 of {LAYERS} ({LAYER_BATCHES} batches of {LAYER_BATCH}x{WIDTH}):")
     print(
-        f"\nharvest of layers/2 of {LAYERS} (unrolled, {LAYER_BATCHES} batches of "
-        f"{LAYER_BATCH}x{WIDTH}): {layer_s:.3f} s; full forward {forward_s:.3f} s "
-        f"({layer_s / forward_s:.2f}x)"
+        table(
+            [
+                (
+                    "unrolled (layers/2)",
+                    f"{layer_s:.3f}",
+                    f"{forward_s:.3f}",
+                    f"{layer_s / forward_s:.2f}x",
+                ),
+                (
+                    "nnx.scan (layers[2])",
+                    f"{scan_s:.3f}",
+                    f"{scan_forward_s:.3f}",
+                    f"{scan_s / scan_forward_s:.2f}x",
+                ),
+            ],
+            ("stack", "harvest s", "full forward s", "harvest / forward"),
+        )
     )
     return {
         "plain_read_rows_s": med["plain"],
@@ -269,6 +304,8 @@ def _main(root: Path) -> dict[str, Any]:
         "step_with_reader_ms": step_fed,
         "harvest_layer_s": layer_s,
         "full_forward_s": forward_s,
+        "harvest_layer_scan_s": scan_s,
+        "full_forward_scan_s": scan_forward_s,
     }
 
 

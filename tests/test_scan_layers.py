@@ -2,6 +2,8 @@
 one iteration of ``nnx.scan``, Linen's ``nn.scan`` with ``nn.remat``, and ``lax.scan`` over
 Equinox layers, each against the same layers unrolled by hand with only that layer edited."""
 
+import re
+
 import equinox as eqx
 import flax.linen as nn
 import jax
@@ -438,3 +440,76 @@ def test_intercept_op_and_op_capture_of_one_layer(mode):
     np.testing.assert_allclose(
         vals["blocks[1]:softmax"][0], _attn_by_hand(model, x)[1][1], rtol=1e-5
     )
+
+
+def _trip_counts(lowered) -> list[int]:
+    return [
+        int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"', lowered.compile().as_text())
+    ]
+
+
+def test_harvest_of_one_layer_runs_the_scan_up_to_that_layer():
+    """``"blocks/mlp[2]"`` of a 5-layer ``nnx.scan``: the step runs 3 iterations and has the FLOPs
+    of the same 3 layers scanned by hand; the whole stack's harvest runs 5."""
+    from hookax._harvest.step import Step
+
+    model = Scanned()
+    f = model
+    one = Step(f, "blocks/mlp[2]", (), None, None, 1, (X,))
+    every = Step(f, "blocks/mlp", (), None, None, 1, (X,))
+    assert _trip_counts(one.lower(X)) == [3]
+    assert _trip_counts(every.lower(X)) == [N]
+    w, b = _kernels(model)
+
+    def by_hand(w, b, x):
+        def body(h, wb):
+            pre = h @ wb[0] + wb[1]
+            return h + jnp.tanh(pre), pre
+
+        return jax.lax.scan(body, x, (w[:3], b[:3]))[1][2]
+
+    hand = jax.jit(by_hand).lower(w, b, X)
+    assert _trip_counts(hand) == [3]
+    flops = one.lower(X).compile().cost_analysis()["flops"]
+    assert flops == hand.compile().cost_analysis()["flops"]
+    values, _ = one(X)
+    np.testing.assert_allclose(values["blocks/mlp[2]"], by_hand(w, b, X), rtol=1e-6)
+    np.testing.assert_array_equal(values["blocks/mlp[2]"], every(X)[0]["blocks/mlp"][2])
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+def test_harvest_of_one_layer_of_an_equinox_scan_is_cut(tmp_path, jitted):
+    """A vmapped ``lax.scan`` over Equinox layers, through the user's own ``jax.jit`` too (its
+    call is inlined to find the scan; the harvest's trace then hits that function's jit cache,
+    and the record must still be split by layer)."""
+    from hookax._harvest.step import Step
+
+    model = EScanned()
+    f = jax.jit(jax.vmap(model)) if jitted else jax.vmap(model)
+    one = Step(f, "mlp[1]", (), None, None, 1, (X,))
+    assert _trip_counts(one.lower(X)) == [2]
+    got = hx.harvest(f, [X], where="mlp[1]", store=tmp_path / "one.zarr")
+    every = hx.capture(f, where="mlp")(X)[1]["mlp"][0]
+    np.testing.assert_array_equal(got.read("mlp[1]"), every[1])
+
+
+def test_scans_that_must_run_whole_are_not_cut():
+    """A scan whose final carry is used, a reverse scan, and stacked outputs read whole keep
+    their length; a cut scan computes the same values."""
+    from hookax._transforms.cutscan import cut_scans
+
+    xs = jnp.arange(6.0)
+
+    def body(c, x):
+        return c + x, c * x
+
+    cases = {
+        "carry used": (lambda xs: (lambda c, ys: c + ys[1])(*jax.lax.scan(body, 1.0, xs)), 6),
+        "read whole": (lambda xs: jax.lax.scan(body, 1.0, xs)[1].sum(), 6),
+        "cut": (lambda xs: jax.lax.scan(body, 1.0, xs)[1][1:3], 3),
+    }
+    for name, (f, length) in cases.items():
+        assert _trip_counts(jax.jit(cut_scans(f)).lower(xs)) == [length] * len(
+            _trip_counts(jax.jit(f).lower(xs))
+        ), name
+        np.testing.assert_array_equal(jax.jit(cut_scans(f))(xs), jax.jit(f)(xs), err_msg=name)

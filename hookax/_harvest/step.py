@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from .._capture.actgrad import is_nnx_module
+from .._transforms.cutscan import cut_scans
 from .._util.errors import HookaxError
 
 __all__ = ["Leaf", "Origin", "Step", "as_args", "leaf_specs", "replication", "row_shape"]
@@ -175,7 +176,7 @@ class Step:
         self.origin: dict[str, Origin] = {}
         whole = replication(first)
 
-        def body(f: Any, *args: Any) -> tuple[dict[str, Any], Any]:
+        def compute(f: Any, *args: Any) -> tuple[dict[str, Any], Any]:
             values = {}
             for name, origin, v in _outputs(f, where, ops, args, while_steps, inputs):
                 self.origin[name] = origin
@@ -187,15 +188,35 @@ class Step:
                 m = jnp.asarray(mask(*args), bool)
             return values, m if whole is None else jax.lax.with_sharding_constraint(m, whole)
 
+        def body(f: Any, *args: Any) -> tuple[dict[str, Any], Any]:
+            # Scans cut after the last layer stored: "blocks/up[2]" of a scanned stack runs
+            # three layers, as XLA already stops an unrolled stack after the layer it needs.
+            if not is_nnx_module(f):
+                return cut_scans(lambda *a: compute(f, *a))(*args)
+            from flax import nnx
+
+            graphdef, state = nnx.split(f)
+
+            def pure(state: Any, *args: Any) -> Any:
+                m = nnx.merge(graphdef, state)
+                return compute(m, *args), nnx.state(m)
+
+            out, state = cut_scans(pure)(state, *args)
+            nnx.update(f, state)
+            return out
+
         if is_nnx_module(fn):
             from flax import nnx
 
             jitted = nnx.jit(body)
             self._run: Callable[..., Any] = lambda *args: jitted(fn, *args)
             self._shapes: Callable[..., Any] = lambda *args: nnx.eval_shape(body, fn, *args)
+            self._lower: Callable[..., Any] = lambda *args: jitted.lower(fn, *args)
         else:
-            self._run = jax.jit(lambda *args: body(fn, *args))
-            self._shapes = lambda *args: jax.eval_shape(self._run, *args)
+            run = jax.jit(lambda *args: body(fn, *args))
+            self._run = run
+            self._shapes = lambda *args: jax.eval_shape(run, *args)
+            self._lower = run.lower
 
     @classmethod
     def cached(
@@ -239,6 +260,10 @@ class Step:
 
     def __call__(self, *args: Any) -> tuple[dict[str, Any], Any]:
         return self._run(*args)
+
+    def lower(self, *args: Any) -> Any:
+        """The step's program for these arguments, lowered (``jax.stages.Lowered``)."""
+        return self._lower(*args)
 
     def shapes(self, *args: Any) -> tuple[dict[str, Any], Any]:
         """Abstract outputs (shapes and dtypes) for these arguments; computes nothing."""

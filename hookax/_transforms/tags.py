@@ -196,6 +196,16 @@ def unwrap(tree: Any) -> Any:
     return jax.tree.map(lambda x: x.value if isinstance(x, _Hashed) else x, tree)
 
 
+# Record key -> (call-site key, layers, what follows the layer in a key: "" or ":softmax") for
+# one-layer selections of a scanned call site ("blocks/attn[3]", "blocks/attn[3]:softmax"),
+# recorded stacked over the scan and split by the collector. Filled while a selection traces and
+# read by every later session: a function whose jit trace is cached (a user's jax.jit run a
+# second time) records the key from its jaxpr without running the code that names it. The
+# mapping is a function of the key (no framework's call-site key ends in "[digits]"), so one
+# table serves every model.
+LAYERED: dict[str, tuple[str, tuple[int, ...], str]] = {}
+
+
 class Session:
     """What one capture (``reap``) or one differentiated call (``plant``) collects or injects.
 
@@ -223,10 +233,8 @@ class Session:
         self.matched = False  # whether any call site was selected
         self.owners: dict[str, Any] = {}  # key -> the NNX module first selected under it
         self.starts: dict[str, None] = {}  # selected keys in the order their first call started
-        # record key -> (call-site key, layers, what follows the layer in a key: "" or
-        # ":softmax"): one-layer selections of a scanned call site ("blocks/attn[3]",
-        # "blocks/attn[3]:softmax"), recorded stacked over the scan, split by the collector.
-        self.layered: dict[str, tuple[str, tuple[int, ...], str]] = {}
+        # One-layer selections of a scanned call site, shared by every session: see LAYERED.
+        self.layered = LAYERED
         self.op_notes: Any = None  # ``_ops.Notes`` of a session with ops= (set by its runner)
 
     def on_tag(self, args: list[Any], key: str, spec: Spec) -> list[Any]:
