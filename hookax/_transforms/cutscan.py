@@ -119,12 +119,11 @@ def _eval(
             source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
             eqn.ctx.manager,
         ):
-            if inline and eqn.primitive.name in _INLINE:
-                inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-                if isinstance(inner, core.ClosedJaxpr):
-                    outs = _eval(inner.jaxpr, inner.consts, invals, {}, True)
-                else:
-                    outs = _eval(inner, (), invals, {}, True)
+            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            if inline and eqn.primitive.name in _INLINE and isinstance(inner, core.ClosedJaxpr):
+                outs = _eval(inner.jaxpr, inner.consts, invals, {}, True)
+            elif inline and eqn.primitive.name in _INLINE and isinstance(inner, core.Jaxpr):
+                outs = _eval(inner, (), invals, {}, True)
             else:
                 params = eqn.params
                 if i in lengths:
