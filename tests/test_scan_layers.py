@@ -513,3 +513,15 @@ def test_scans_that_must_run_whole_are_not_cut():
             _trip_counts(jax.jit(f).lower(xs))
         ), name
         np.testing.assert_array_equal(jax.jit(cut_scans(f))(xs), jax.jit(f)(xs), err_msg=name)
+
+
+def test_harvest_of_one_layer_of_a_linen_scan_is_cut():
+    from hookax._harvest.step import Step
+
+    model = LScanned()
+    params = model.init(jax.random.key(0), X)
+    f = jax.jit(model.apply)
+    one = Step(lambda x: f(params, x), "blocks/mlp[1]", (), None, None, 1, (X,))
+    assert _trip_counts(one.lower(X)) == [2]
+    every = hx.capture(f, where="blocks/mlp")(params, X)[1]["blocks/mlp"][0]
+    np.testing.assert_array_equal(one(X)[0]["blocks/mlp[1]"], every[1])
