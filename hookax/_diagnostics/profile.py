@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import statistics
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -37,7 +38,7 @@ def profile(
     (its arrays as arguments, anything else fixed), run ``warmup`` times, then ``runs`` times
     under ``jax.profiler``. Nothing is changed: updates the step makes to a model or an
     optimizer state stay inside the profiled program. The table's values are means over the
-    runs.
+    runs (a run slower than 1.5 times the median is left out, and the table says so).
 
     What is counted: the device time of the XLA operations the compiled program runs. Each
     operation belongs to the innermost call site whose module path its name-scope path holds
@@ -117,7 +118,8 @@ def _check(step: Any, runs: Any, warmup: Any) -> None:
     if not callable(step):
         raise HookaxError(
             f"{WHO} expects a function to run (a train step, or a loss and its gradient), got "
-            f"{type(step).__name__} {step!r:.60}. Fix: hx.profile(step, model, x) with "
+            f"an object of type {type(step).__name__}: pass the function itself, not what it "
+            "returns. Fix: hx.profile(step, model, x) with "
             "step = jax.jit(lambda m, x: nnx.grad(loss)(m, x))."
         )
     for name, value, low in (("runs", runs, 1), ("warmup", warmup, 0)):
@@ -206,13 +208,23 @@ def _table(
     runs: int,
     device: str,
 ) -> Profile:
-    """Mean nanoseconds per row, forward and backward, over the runs."""
+    """Mean nanoseconds per row, forward and backward, over the runs (a run slower than 1.5
+    times the median is left out: something else held the device or the CPU)."""
+    notes: list[str] = []
+    if separate:
+        median = statistics.median(r.span_ns for r in measured)
+        kept = [r for r in measured if r.span_ns <= 1.5 * median]
+        if len(kept) < len(measured):
+            notes.append(
+                f"{len(measured) - len(kept)} of {len(measured)} runs left out: slower than "
+                "1.5x the median run (something else ran on the device or the CPU)"
+            )
+        measured = kept
     n = len(measured) if separate else runs
     places: dict[str, Place] = {}
     own: dict[RowKey, list[float]] = {}
     depth: dict[tuple[str, ...], int | None] = {}  # chain -> depth where its scan starts
     other = [0.0, 0.0]
-    notes: list[str] = []
     for run in measured:
         for e in run.events:
             p = places.get(e.op)
