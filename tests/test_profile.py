@@ -313,3 +313,47 @@ def test_op_names_to_call_sites() -> None:
     # a loop of the root's own (not a scan over layers: in_scan False) is not a stack
     own_loop = "jit(step)/jvp(Seq)/while/body/layers/0/add"
     assert place(own_loop, log) == Place(("Seq", "layers/0"), False, None)
+
+
+# -- hookax profile ------------------------------------------------------------------------------
+
+
+def _run(capsys: Any, *argv: str) -> tuple[int, str, str]:
+    from hookax._cli.main import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_prints_the_table_of_an_example(capsys: Any) -> None:
+    code, out, err = _run(capsys, "profile", "--example", "mlp", "--runs", "2")
+    assert (code, err) == (0, "")
+    lines = out.splitlines()
+    assert "Forward" in lines[1] and "Backward" in lines[1]
+    for key in ("(model)", "layers/0", "layers/1", "layers/2", "(other)", "(idle)", "step"):
+        assert any(key in line for line in lines), key
+    assert "mean of " in out
+
+
+def test_cli_json_forward_only_of_a_factory(capsys: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    import json
+
+    (tmp_path / "prof_models.py").write_text(
+        "from flax import nnx\n\n"
+        "def make():\n"
+        "    return nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), nnx.relu)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    argv = ["profile", "prof_models:make", "--input", "f32[4,8]", "--forward", "--format", "json"]
+    code, out, err = _run(capsys, *argv)
+    assert (code, err) == (0, "")
+    rows = json.loads(out)["rows"]
+    assert [r["key"] for r in rows] == ["", "layers/0"]
+    assert rows[1]["forward_ms"] > 0 and rows[1]["backward_ms"] == 0
+
+
+def test_cli_errors_name_the_flags(capsys: Any) -> None:
+    code, out, err = _run(capsys, "profile", "--example", "mlp", "--runs", "0")
+    assert (code, out) == (2, "")
+    assert err == "hookax: error: --runs takes a number of at least 1, got 0\n"

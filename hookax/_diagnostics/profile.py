@@ -152,8 +152,11 @@ def _compile(step: Callable[..., Any], args: tuple, kwargs: dict, log: SiteLog) 
         a, k = jax.tree.unflatten(treedef, [next(it) if d else x for x, d in zip(leaves, is_array)])
         out = step(*a, **k)
         # the arguments too: a step that updates a model or an optimizer state in place (nnx)
-        # returns little, and XLA would drop the work whose results are only those updates
-        return [y for y in jax.tree.leaves((out, a, k)) if isinstance(y, jax.Array)]
+        # returns little, and XLA would drop the work whose results are only those updates;
+        # an argument returned as it came would be a copy that the step does not make
+        given = {id(x) for x in arrays}
+        results = jax.tree.leaves((out, a, k))
+        return [y for y in results if isinstance(y, jax.Array) and id(y) not in given]
 
     profiled.__name__ = profiled.__qualname__ = "hookax_profile"
     with scoped(Entry("ops", OpHandler("sites", log, ()), Sites(()))):
