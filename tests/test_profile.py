@@ -357,3 +357,23 @@ def test_cli_errors_name_the_flags(capsys: Any) -> None:
     code, out, err = _run(capsys, "profile", "--example", "mlp", "--runs", "0")
     assert (code, out) == (2, "")
     assert err == "hookax: error: --runs takes a number of at least 1, got 0\n"
+
+
+def test_linen_parameters_as_the_argument() -> None:
+    import flax.linen as nn
+
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return nn.Dense(4, name="out")(jnp.tanh(nn.Dense(W, name="hidden")(x)))
+
+    model = Two()
+    params = model.init(jax.random.key(0), X)
+
+    def linen_loss(p: Any, x: jax.Array) -> jax.Array:
+        return jnp.mean(model.apply(p, x) ** 2)
+
+    p = hx.profile(jax.jit(jax.grad(linen_loss)), params, X, runs=3, warmup=1)
+    assert [(r.key, r.type) for r in p.rows] == [("", "Two"), ("hidden", "Dense"), ("out", "Dense")]
+    assert all(r.forward_ms > 0 and r.backward_ms > 0 for r in p.rows[1:])
+    check_adds_up(p)
