@@ -377,3 +377,16 @@ def test_linen_parameters_as_the_argument() -> None:
     assert [(r.key, r.type) for r in p.rows] == [("", "Two"), ("hidden", "Dense"), ("out", "Dense")]
     assert all(r.forward_ms > 0 and r.backward_ms > 0 for r in p.rows[1:])
     check_adds_up(p)
+
+
+def test_a_batch_sharded_over_devices() -> None:
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(jax.devices()[:4], ("batch",))
+    x = jax.device_put(X, NamedSharding(mesh, PartitionSpec("batch")))
+    p = hx.profile(jax.jit(lambda m, x: nnx.grad(loss)(m, x)), Net(nnx.Rngs(0)), x, runs=3)
+    assert [r.key for r in p.rows] == ["", "layers/0", "layers/1", "head"]
+    assert all(r.forward_ms > 0 and r.backward_ms > 0 for r in p.rows[1:])
+    # the devices run at once: each moment is shared among them, so the rows add up to the step
+    total = sum(own(r) for r in p.rows) + p.other_ms + p.idle_ms
+    assert total == pytest.approx(p.step_ms, rel=1e-9)

@@ -50,7 +50,9 @@ def profile(
     when no operation runs are "idle". Rows, other and idle add up to the step time: from the
     start of the step's first operation to the end of its last. Where XLA fused operations of
     several call sites into one kernel, the kernel counts for the call site of the fusion's
-    root operation.
+    root operation. A collective (the all-reduce of a sharded step's gradients) counts for the
+    call site whose scope it carries, waiting included; operations that several devices run at
+    the same moment share that moment, so the rows add up to the step there too.
 
     A scanned stack of layers (``nnx.scan``/``lax.scan`` over stacked parameters) gives a row
     per layer (``"blocks[0]"``, ``"blocks/lin[0]"``, ...) where the profiler reports each
