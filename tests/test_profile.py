@@ -219,8 +219,10 @@ class Data:
     planes: list[Plane]
 
 
-def op(name: str, start: float, end: float, run: int = 1, module: str = "jit_f") -> Event:
-    stats = [("hlo_op", name), ("hlo_module", module), ("run_id", run)]
+def op(name: str, start: float, end: float, run: int | None = 1, module: str = "jit_f") -> Event:
+    stats = [("hlo_op", name), ("hlo_module", module)]
+    if run is not None:
+        stats.append(("run_id", run))
     return Event(name, start, end - start, stats)
 
 
@@ -235,8 +237,8 @@ def test_time_is_shared_nested_and_concurrent_events_counted_once() -> None:
         ]
     )
     thread2 = Line([op("parallel", 15, 25)])  # runs beside the loop's end
-    runs, separate = xplane.read_runs(Data([Plane("/host:CPU", [thread1, thread2])]), "jit_f")
-    assert separate and len(runs) == 1
+    runs = xplane.read_runs(Data([Plane("/host:CPU", [thread1, thread2])]), "jit_f", 1)
+    assert len(runs) == 1
     got = {e.op: e.ns for e in runs[0].events}
     # [0,5) loop; [5,10) body; [10,15) loop; [15,20) loop and parallel share; [20,25) parallel
     assert got == {"while.1": 12.5, "body_op": 5.0, "parallel": 7.5, "gap_after": 10.0}
@@ -250,13 +252,24 @@ def test_runs_occurrences_and_device_planes() -> None:
         "/device:GPU:0",
         [Line([op("body", 0, 1, run=7), op("body", 2, 4, run=7), op("body", 50, 51, run=8)])],
     )
-    runs, separate = xplane.read_runs(Data([host, device]), "jit_f")
-    assert separate  # the host's launch event is not device time
+    runs = xplane.read_runs(Data([host, device]), "jit_f", 2)  # the host's launch: not device
     assert [[(e.op, e.occurrence, e.count, e.ns) for e in r.events] for r in runs] == [
         [("body", 0, 2, 1.0), ("body", 1, 2, 2.0)],
         [("body", 0, 1, 1.0)],
     ]
     assert [(r.span_ns, r.idle_ns) for r in runs] == [(4, 1), (1, 0)]
+
+
+def test_runs_without_ids_are_cut_at_the_longest_gaps() -> None:
+    events = [("a", 0, 2), ("b", 3, 5), ("a", 20, 22), ("b", 22, 23), ("a", 24, 26), ("b", 60, 61)]
+    line = Line([op(name, start, end, run=None) for name, start, end in events])
+    runs = xplane.read_runs(Data([Plane("/device:GPU:0", [line])]), "jit_f", 3)
+    assert [[(e.op, e.occurrence, e.count) for e in r.events] for r in runs] == [
+        [("a", 0, 1), ("b", 0, 1)],
+        [("a", 0, 2), ("b", 0, 1), ("a", 1, 2)],
+        [("b", 0, 1)],
+    ]
+    assert [(r.span_ns, r.idle_ns) for r in runs] == [(5, 1), (6, 1), (1, 0)]
 
 
 def test_op_names_of_fusions_and_merged_names() -> None:

@@ -56,7 +56,7 @@ def profile(
 
     A scanned stack of layers (``nnx.scan``/``lax.scan`` over stacked parameters) gives a row
     per layer (``"blocks[0]"``, ``"blocks/lin[0]"``, ...) where the profiler reports each
-    iteration's operations (CPU, GPU): the forward pass runs the layers in order, the backward
+    iteration's operations (as on CPU): the forward pass runs the layers in order, the backward
     pass in reverse (a scan with ``reverse=True`` is numbered from its last layer). Where it
     cannot tell the iterations apart (a loop nested inside the layers), the scanned call site
     is one row, and the table says so.
@@ -106,14 +106,14 @@ def profile(
         jax.block_until_ready(compiled(*dynamic))
     data = _trace(compiled, dynamic, runs)
     module, names = xplane.op_names(compiled.as_text())
-    measured, separate = xplane.read_runs(data, module)
+    measured = xplane.read_runs(data, module, runs)
     if not measured:
         raise HookaxError(
             f"{WHO}: the profiler recorded no operation of {_name(step)} (module {module!r}) "
             f"on {jax.devices()[0].platform}. Fix: check that jax.profiler works here "
             "(jax.profiler.trace('/tmp/trace') around a jitted call writes an .xplane.pb)."
         )
-    return _table(log, names, measured, separate, runs, _device())
+    return _table(log, names, measured, _device())
 
 
 def _check(step: Any, runs: Any, warmup: Any) -> None:
@@ -209,23 +209,19 @@ def _table(
     log: SiteLog,
     names: dict[str, str],
     measured: list[xplane.Run],
-    separate: bool,
-    runs: int,
     device: str,
 ) -> Profile:
     """Mean nanoseconds per row, forward and backward, over the runs (a run slower than 1.5
     times the median is left out: something else held the device or the CPU)."""
     notes: list[str] = []
-    if separate:
-        median = statistics.median(r.span_ns for r in measured)
-        kept = [r for r in measured if r.span_ns <= 1.5 * median]
-        if len(kept) < len(measured):
-            notes.append(
-                f"{len(measured) - len(kept)} of {len(measured)} runs left out: slower than "
-                "1.5x the median run (something else ran on the device or the CPU)"
-            )
-        measured = kept
-    n = len(measured) if separate else runs
+    median = statistics.median(r.span_ns for r in measured)
+    kept = [r for r in measured if r.span_ns <= 1.5 * median]
+    if len(kept) < len(measured):
+        notes.append(
+            f"{len(measured) - len(kept)} of {len(measured)} runs left out: slower than "
+            "1.5x the median run (something else ran on the device or the CPU)"
+        )
+    measured, n = kept, len(kept)
     places: dict[str, Place] = {}
     own: dict[RowKey, list[float]] = {}
     depth: dict[tuple[str, ...], int | None] = {}  # chain -> depth where its scan starts
@@ -239,7 +235,7 @@ def _table(
                 other[p.backward] += e.ns
                 continue
             layer = None
-            if p.scanned is not None and not p.nested and separate:
+            if p.scanned is not None and not p.nested:
                 layer = e.count - 1 - e.occurrence if p.backward else e.occurrence
                 depth[p.chain] = p.scanned
             elif p.scanned is not None:
@@ -276,8 +272,6 @@ def _table(
         )
     step = sum(r.span_ns for r in measured) * ms
     idle = sum(r.idle_ns for r in measured) * ms
-    if not separate:
-        notes.append("the runs could not be told apart: the step time is their mean")
     return Profile(
         rows, other[0] * ms, other[1] * ms, idle, step, n, device, tuple(dict.fromkeys(notes))
     )

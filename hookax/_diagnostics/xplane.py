@@ -11,7 +11,8 @@ Time is shared out so that nothing is counted twice: on one thread an event nest
 the rest; operations running at the same moment on several threads or streams share that moment
 equally. A run's step time is from the start of its first operation to the end of its last; the
 moments when none runs are its idle time. So the operations' shares plus the idle time are the
-step time exactly.
+step time exactly. Runs are told apart by the events' ``run_id`` (the CPU client sets it), else
+by the longest gaps between operations.
 """
 
 from __future__ import annotations
@@ -111,9 +112,10 @@ def _stat(stats: Any, name: str) -> Any:
     return None
 
 
-def read_runs(data: Any, module: str) -> tuple[list[Run], bool]:
-    """The runs of ``module`` in a ``jax.profiler.ProfileData``, in time order, and whether
-    they could be told apart (by the events' ``run_id``; when not, one run holds them all)."""
+def read_runs(data: Any, module: str, runs: int) -> list[Run]:
+    """The ``runs`` runs of ``module`` in a ``jax.profiler.ProfileData``, in time order: told
+    apart by the events' ``run_id``, or where they carry none, by the longest gaps between
+    operations (the host waits for each run before it starts the next)."""
     found: dict[str, list[_Raw]] = {}
     device: dict[str, list[_Raw]] = {}
     line_id = 0
@@ -129,13 +131,24 @@ def read_runs(data: Any, module: str) -> tuple[list[Run], bool]:
                 run = str(_stat(stats, "run_id"))
                 raw = _Raw(str(op), float(e.start_ns), float(e.start_ns + e.duration_ns), line_id)
                 (device if on_device else found).setdefault(run, []).append(raw)
-    groups = device or found  # on GPU/TPU, the host's launch events are not device time
-    known = "None" not in groups
-    if not known:
-        groups = {"all": [r for rs in groups.values() for r in rs]}
-    runs = [_run(raws) for raws in groups.values() if raws]
-    runs.sort(key=lambda r: r[0])
-    return [r for _, r in runs], known
+    groups = list((device or found).items())  # on GPU/TPU, the host's launches are not device time
+    if any(run == "None" for run, _ in groups):
+        everything = sorted((r for _, rs in groups for r in rs), key=lambda r: r.start)
+        groups = [("", raws) for raws in _split(everything, runs)]
+    out = [_run(raws) for _, raws in groups if raws]
+    out.sort(key=lambda r: r[0])
+    return [r for _, r in out]
+
+
+def _split(raws: list[_Raw], runs: int) -> list[list[_Raw]]:
+    """Events sorted by start, cut at the ``runs - 1`` longest gaps when no operation runs."""
+    gaps = []
+    end = raws[0].end if raws else 0.0
+    for i in range(1, len(raws)):
+        gaps.append((raws[i].start - end, i))
+        end = max(end, raws[i].end)
+    cuts = sorted(i for gap, i in sorted(gaps, reverse=True)[: runs - 1] if gap > 0)
+    return [raws[a:b] for a, b in zip([0, *cuts], [*cuts, len(raws)], strict=True)]
 
 
 def _run(raws: list[_Raw]) -> tuple[float, Run]:
