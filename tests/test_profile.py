@@ -141,6 +141,33 @@ def test_a_scanned_stack_gives_a_row_per_layer() -> None:
     assert "blocks[1]" in text and "  lin[1]" in text
 
 
+class Looped(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.lin = nnx.Linear(W, W, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return jax.lax.fori_loop(0, 2, lambda i, h: jnp.tanh(self.lin(h)), x)
+
+
+def test_a_loop_inside_scanned_layers_gives_one_row_per_call_site_and_says_so() -> None:
+    class LoopStack(nnx.Module):
+        def __init__(self) -> None:
+            make = nnx.vmap(lambda key: Looped(nnx.Rngs(key)), in_axes=0, out_axes=0)
+            self.blocks = make(jax.random.split(jax.random.key(0), 3))
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            scan = nnx.scan(lambda x, block: block(x), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            return scan(x, self.blocks)
+
+    p = hx.profile(jax.jit(lambda m, x: nnx.grad(loss)(m, x)), LoopStack(), X, runs=3)
+    assert [r.key for r in p.rows] == ["", "blocks", "blocks/lin"]
+    assert all(r.layer is None for r in p.rows)
+    assert p["blocks/lin"].forward_ms > 0 and p["blocks/lin"].backward_ms > 0
+    assert "'blocks': a scanned stack with a loop inside its layers" in p.notes[-1]
+    assert p.notes[-1] in str(p)
+    check_adds_up(p)
+
+
 def test_equinox() -> None:
     model = eqx.nn.MLP(W, 4, W, 2, key=jax.random.key(0))
 

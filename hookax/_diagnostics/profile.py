@@ -21,7 +21,7 @@ from typing import Any
 from .._util.errors import HookaxError
 from . import xplane
 from .profview import Profile, ProfileRow
-from .scopes import Place, SiteLog, place
+from .scopes import SiteLog, place
 
 __all__ = ["profile"]
 
@@ -59,7 +59,7 @@ def profile(
     iteration's operations (as on CPU): the forward pass runs the layers in order, the backward
     pass in reverse (a scan with ``reverse=True`` is numbered from its last layer). Where it
     cannot tell the iterations apart (a loop nested inside the layers), the scanned call site
-    is one row, and the table says so.
+    and those inside it are one row each, all layers together, and the table says so.
 
     Args:
       step: the function to profile.
@@ -222,25 +222,30 @@ def _table(
             "1.5x the median run (something else ran on the device or the CPU)"
         )
     measured, n = kept, len(kept)
-    places: dict[str, Place] = {}
+    places = {e.op: place(names.get(e.op, ""), log) for run in measured for e in run.events}
+    # a stack with a loop inside its layers is one row per call site, not one per layer
+    merged = {
+        p.chain[: p.scanned + 1] for p in places.values() if p.nested and p.scanned is not None
+    }
+    for stack in sorted(merged):
+        key = log.sites[stack].key
+        notes.append(
+            f"{key!r}: a scanned stack with a loop inside its layers: its layers are not told "
+            "apart (the rows inside it are all its layers together)"
+        )
     own: dict[RowKey, list[float]] = {}
     depth: dict[tuple[str, ...], int | None] = {}  # chain -> depth where its scan starts
     other = [0.0, 0.0]
     for run in measured:
         for e in run.events:
-            p = places.get(e.op)
-            if p is None:
-                p = places[e.op] = place(names.get(e.op, ""), log)
+            p = places[e.op]
             if not p.chain:
                 other[p.backward] += e.ns
                 continue
             layer = None
-            if p.scanned is not None and not p.nested:
+            if p.scanned is not None and p.chain[: p.scanned + 1] not in merged:
                 layer = e.count - 1 - e.occurrence if p.backward else e.occurrence
                 depth[p.chain] = p.scanned
-            elif p.scanned is not None:
-                key = log.sites[p.chain[: p.scanned + 1]].key
-                notes.append(f"{key}: the layers of the scanned stack are not told apart")
             own.setdefault((p.chain, layer), [0.0, 0.0])[p.backward] += e.ns
     keys = _with_ancestors(own, depth, log)
     ms = 1e-6 / n
