@@ -31,6 +31,9 @@ from ._diagnostics.logger import StatsLogger as StatsLogger
 from ._diagnostics.logger import read_events as read_events
 from ._diagnostics.nonfinite import Nonfinite as Nonfinite
 from ._diagnostics.nonfinite import find_nonfinite as find_nonfinite
+from ._diagnostics.profile import profile as profile
+from ._diagnostics.profview import Profile as Profile
+from ._diagnostics.profview import ProfileRow as ProfileRow
 from ._diagnostics.stats import value_grad_and_stats as value_grad_and_stats
 from ._diagnostics.statsplot import plot_stats as plot_stats
 from ._diagnostics.statsview import SiteStats as SiteStats
@@ -100,6 +103,8 @@ __all__ = [
     "OpRow",
     "Ops",
     "PatchError",
+    "Profile",
+    "ProfileRow",
     "RecompileWarning",
     "Select",
     "Selector",
@@ -134,6 +139,7 @@ __all__ = [
     "patching",
     "plot_grad_flow",
     "plot_stats",
+    "profile",
     "read_events",
     "register_forward_hook",
     "register_forward_pre_hook",

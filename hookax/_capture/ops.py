@@ -35,6 +35,7 @@ __all__ = [
     "intercept_op",
     "named_scopes",
     "parse_ops",
+    "scope_chain",
 ]
 
 _OP = re.compile(r"(?P<name>[^#:/\s]+?)(?:#(?P<index>\d+|\*))?")
@@ -131,7 +132,8 @@ class OpHandler:
 
     ``action``: ``"mark"`` (``arg`` is a session id: capture and gradients), ``"edit"`` (``arg``
     is the edit function's :class:`FnKey`), ``"list"`` (``arg`` is a listing, by identity),
-    ``"scope"`` (no patterns: only the name-stack labels of :func:`named_scopes`).
+    ``"scope"`` (no patterns: only the name-stack labels of :func:`named_scopes`), ``"sites"``
+    (the labels, and ``arg.add(chain, ctx)`` told each call site's: ``hx.profile``).
     """
 
     action: str
@@ -245,6 +247,9 @@ def enter_site(frame: Any, ctx: Any, entries: list[Any], fn: Callable[..., Any])
     bound = []
     for e in entries:
         h: OpHandler = e.key
+        if h.action == "sites":  # hx.profile: which scope labels are which call sites
+            h.arg.add(scope_chain(frame), ctx, frame.in_scan())
+            continue
         notes = _notes_for(h)
         pats = [p for p in h.patterns if p.site.matches(ctx)]
         if notes is not None:
@@ -276,6 +281,16 @@ def enter_site(frame: Any, ctx: Any, entries: list[Any], fn: Callable[..., Any])
 
 
 _dispatch.site_scope[0] = enter_site  # the dispatcher's hook for ops= entries
+
+
+def scope_chain(frame: Any) -> tuple[str, ...]:
+    """The scope labels of a call site and of the call sites it runs inside, outermost first
+    (an operation's ``op_name`` holds them in this order, with JAX's own scopes between)."""
+    labels = []
+    while frame is not None:
+        labels.append(_label(frame))
+        frame = frame.parent
+    return tuple(reversed(labels))
 
 
 def _label(frame: Any) -> str:

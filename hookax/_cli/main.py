@@ -1,6 +1,6 @@
 """``hookax``: the command's entry point. Builds the parser from the registered subcommands
-(``summary`` and ``gradflow`` in :mod:`hookax._cli.common`, ``ops``, ``stats-plot`` and ``harvest``
-here, each run from its own module) and maps errors to one line and an exit code.
+(``summary`` and ``gradflow`` in :mod:`hookax._cli.common`, ``ops``, ``stats-plot``, ``profile``
+and ``harvest`` here, each run from its own module) and maps errors to one line and an exit code.
 """
 
 from __future__ import annotations
@@ -95,6 +95,28 @@ register(
         "per-layer statistics over the training steps (hx.StatsLogger's files), as a PNG figure",
         _statsplot_arguments,
         _statsplot,
+    )
+)
+
+
+def _profile_arguments(c: argparse.ArgumentParser) -> None:
+    from .profile import add_arguments
+
+    add_arguments(c)
+
+
+def _profile(args: argparse.Namespace) -> None:
+    from .profile import run
+
+    run(args)
+
+
+register(
+    Command(
+        "profile",
+        "device time per call site of the forward and backward pass (jax.profiler), as a table",
+        _profile_arguments,
+        _profile,
     )
 )
 
