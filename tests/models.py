@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -63,3 +64,23 @@ class Scanned(nnx.Module):
         for i in range(kernel.shape[0]):
             x = jnp.tanh(x @ kernel[i] + bias[i])
         return x @ self.head.kernel[...] + self.head.bias[...]
+
+
+class Stack(nnx.Module):
+    """``n`` blocks made by ``block(rngs)``, stacked on a leading axis and run with
+    ``nnx.scan``, then a Linear head ``width -> out``."""
+
+    def __init__(self, block: Callable[[nnx.Rngs], nnx.Module], n: int, width: int, out: int):
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def make(key: jax.Array) -> nnx.Module:
+            return block(nnx.Rngs(key))
+
+        self.blocks = make(jax.random.split(jax.random.key(0), n))
+        self.head = nnx.Linear(width, out, rngs=nnx.Rngs(1))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(x: jax.Array, block: nnx.Module) -> jax.Array:
+            return block(x)
+
+        return self.head(body(x, self.blocks))

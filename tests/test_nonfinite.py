@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 import hookax as hx
+from tests import models
 
 W = 4
 
@@ -53,21 +54,11 @@ class MLP(nnx.Module):
         return self.head(self.norm(x))
 
 
-class Stack(nnx.Module):
+class Stack(models.Stack):
+    """4 blocks stacked and run with ``nnx.scan``, then a head."""
+
     def __init__(self, n: int = 4) -> None:
-        @nnx.vmap(in_axes=0, out_axes=0)
-        def make(key: jax.Array) -> Block:
-            return Block(nnx.Rngs(key))
-
-        self.blocks = make(jax.random.split(jax.random.key(0), n))
-        self.head = nnx.Linear(W, 2, rngs=nnx.Rngs(1))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def body(x: jax.Array, block: Block) -> jax.Array:
-            return block(x)
-
-        return self.head(body(x, self.blocks))
+        super().__init__(Block, n, W, 2)
 
 
 def mse(model: Any, x: jax.Array, y: jax.Array) -> jax.Array:

@@ -15,6 +15,7 @@ from flax import nnx
 import hookax as hx
 from hookax._diagnostics import xplane
 from hookax._diagnostics.scopes import Place, SiteLog, place
+from tests import models
 
 W = 128  # wide enough that the matrix products, not the gaps between operations, fill a step
 
@@ -38,21 +39,11 @@ class Block(nnx.Module):
         return jnp.tanh(self.lin(x))
 
 
-class Stack(nnx.Module):
+class Stack(models.Stack):
+    """3 blocks stacked and run with ``nnx.scan``, then a head."""
+
     def __init__(self, n: int = 3) -> None:
-        @nnx.vmap(in_axes=0, out_axes=0)
-        def make(key: jax.Array) -> Block:
-            return Block(nnx.Rngs(key))
-
-        self.blocks = make(jax.random.split(jax.random.key(0), n))
-        self.head = nnx.Linear(W, 4, rngs=nnx.Rngs(1))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def body(x: jax.Array, block: Block) -> jax.Array:
-            return block(x)
-
-        return self.head(body(x, self.blocks))
+        super().__init__(Block, n, W, 4)
 
 
 def loss(model: Any, x: jax.Array) -> jax.Array:

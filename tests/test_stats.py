@@ -15,6 +15,7 @@ from flax import nnx
 import hookax as hx
 from hookax._engine import context as _context
 from hookax._transforms import tags as _tags
+from tests import models
 
 W = 4
 ALL = ("norm", "rms", "mean", "std", "max_abs", "frac_zero", "nonfinite")
@@ -40,23 +41,11 @@ class MLP(nnx.Module):
         return self.head(x)
 
 
-class Stack(nnx.Module):
-    """Blocks stacked on a leading axis and run with ``nnx.scan``, then a head."""
+class Stack(models.Stack):
+    """3 blocks stacked and run with ``nnx.scan``, then a head."""
 
     def __init__(self, n: int = 3) -> None:
-        @nnx.vmap(in_axes=0, out_axes=0)
-        def make(key: jax.Array) -> Block:
-            return Block(nnx.Rngs(key))
-
-        self.blocks = make(jax.random.split(jax.random.key(0), n))
-        self.head = nnx.Linear(W, 2, rngs=nnx.Rngs(1))
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
-        def body(x: jax.Array, block: Block) -> jax.Array:
-            return block(x)
-
-        return self.head(body(x, self.blocks))
+        super().__init__(Block, n, W, 2)
 
 
 def mse(model: Any, x: jax.Array, y: jax.Array) -> jax.Array:
