@@ -11,6 +11,7 @@ patched value is compared with.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -817,3 +818,71 @@ def test_head_targets_that_do_not_fit_raise_naming_them() -> None:
         hx.patch_grid(*args, ops=HEAD_OP, heads="1")
     with pytest.raises(hx.HookaxError, match="no targets: pass where="):
         hx.patch_grid(*args)
+
+
+def scanned_mlp() -> tuple[Any, Any, Any, dict[int, jax.Array], dict[int, jax.Array]]:
+    """tests/test_scan_layers.py's scanned stack, its weights, and each layer's product
+    ``h @ w[i]`` in the clean and the corrupted run, by hand."""
+    from tests.test_scan_layers import Scanned as ScannedMLP
+    from tests.test_scan_layers import X, _kernels, unrolled
+
+    model = ScannedMLP()
+    w, b = _kernels(model)
+    dots: list[dict[int, jax.Array]] = [{}, {}]
+    for x, out in zip((X, X[::-1] * 0.5), dots):
+
+        def record(i: int, h: jax.Array, out: dict[int, jax.Array] = out) -> jax.Array:
+            out[i] = h @ w[i]
+            return h
+
+        unrolled(w, b, x, pre=record)
+    return model, w, b, dots[0], dots[1]
+
+
+def test_an_operation_in_one_layer_of_a_scanned_stack_per_head() -> None:
+    """``ops="blocks/mlp[1,3]:dot_general"``: one row per layer, each cell one feature (as a
+    head) of one batch row of that layer's product patched, against the layers unrolled by
+    hand."""
+    from tests.test_scan_layers import X, unrolled
+
+    model, w, b, clean_dots, _ = scanned_mlp()
+    clean, corrupt = X, X[::-1] * 0.5
+    got = hx.patch_grid(
+        model, (clean,), (corrupt,), jnp.sum, ops="blocks/mlp[1,3]:dot_general", heads=1, axis=0
+    )
+    assert got.shape == (2, 4, 2)  # (layer, feature, batch row)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def by_hand(layer: int, f: jax.Array, row: jax.Array) -> jax.Array:
+        mask = (jnp.arange(2) == row)[:, None] & (jnp.arange(4) == f)
+        value = clean_dots[layer] + b[layer]
+        return unrolled(w, b, corrupt, lambda i, o: jnp.where(mask, value, o) if i == layer else o)
+
+    for r, layer in enumerate((1, 3)):
+        for f in range(4):
+            for row in range(2):
+                close(got[r, f, row], by_hand(layer, f, row).sum())
+
+
+def test_attribution_of_an_operation_in_one_layer_of_a_scanned_stack() -> None:
+    """Attribution in the same layout: (clean - corrupted) . d sum / d product, by jax.grad of a
+    perturbation of each layer's product added by hand; without a layer suffix, an error."""
+    from tests.test_scan_layers import X, unrolled
+
+    model, w, b, clean_dots, corrupt_dots = scanned_mlp()
+    clean, corrupt = X, X[::-1] * 0.5
+
+    def perturbed(d: jax.Array) -> jax.Array:
+        edit = lambda i, o: o + d[(1, 3).index(i)] if i in (1, 3) else o  # noqa: E731
+        return unrolled(w, b, corrupt, edit).sum()
+
+    g = jax.grad(perturbed)(jnp.zeros((2, 2, 4)))
+    want = jnp.stack([((clean_dots[i] - corrupt_dots[i]) * g[r]).T for r, i in enumerate((1, 3))])
+    est = hx.attribution_patch(
+        model, (clean,), (corrupt,), jnp.sum, ops="blocks/mlp[1,3]:dot_general", heads=1, axis=0
+    )
+    close(est, want)
+    with pytest.raises(
+        hx.PatchError, match=r"'blocks/mlp:dot_general' runs inside a scan.*'blocks/mlp\[0:5\]"
+    ):
+        hx.patch_grid(model, (clean,), (corrupt,), jnp.sum, ops="blocks/mlp:dot_general")

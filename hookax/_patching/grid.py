@@ -266,7 +266,8 @@ def patch_grid(
       where: call-site targets: a key, a path glob (``"layers/*"``: every match, in call order)
         or a list of them; ``"path:method"`` for a method other than ``__call__``.
       ops: operation targets: an address or a glob over them (``"layers/*/attn:dot_general#1"``:
-        every match, in program order) or a list of them; rows after ``where=``'s.
+        every match, in program order) or a list of them; rows after ``where=``'s. Inside a
+        scanned stack, a layer suffix gives one row per layer: ``"blocks/attn[0:12]:softmax"``.
       heads: the head axis of every target's value (e.g. ``1`` for ``(batch, heads, ...)``);
         default None: whole values, no head axis in the grid.
       positions: ``"each"``: one column per index along ``axis``; ``None``: one patch of the

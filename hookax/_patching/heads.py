@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._capture.capture import capture
-from .._capture.ops import parse_ops
+from .._capture.ops import intercept_op, parse_ops
 from .._engine.select import glob_to_regex, split_layers, split_method
 from .._util.errors import SelectorError
 from . import compiled
@@ -34,7 +34,10 @@ def _matches(text: str, key: str) -> bool:
     site, _, _ = text.rpartition(":")
     path, method = split_method(site)
     key_path, key_method = split_method(key.rpartition(":")[0])
-    glob = split_layers(path)[0]
+    glob, layers = split_layers(path)
+    key_layers = split_layers(key_path)[1]
+    if layers is not None and key_layers is not None and not key_layers <= layers:
+        return False
     if (method or "__call__") != (key_method or "__call__"):
         return False
     if not (glob_to_regex(glob).fullmatch(split_layers(key_path)[0]) if glob else not key_path):
@@ -53,9 +56,15 @@ def discover_ops(fn: Any, args: tuple[Any, ...], ops: Any, who: str) -> dict[str
     if hit is not None:
         return hit
 
+    per_call: dict[str, Any] = {}  # an operation's value at one call (one layer of a scan)
+
+    def record(value: Any, op: Any) -> None:
+        per_call.setdefault(op.address, getattr(value, "shape", None))
+
     def run(dyn: list[Any]) -> Any:
         f, a = compiled.join(dyn, rest)
-        return capture(f, ops=texts)(*a)[1]
+        with intercept_op(record, ops=texts):
+            return capture(f, ops=texts)(*a)[1]
 
     try:
         found = jax.eval_shape(run, dyn)
@@ -67,6 +76,7 @@ def discover_ops(fn: Any, args: tuple[Any, ...], ops: Any, who: str) -> dict[str
         for key, values in found.items():
             if key not in out and _matches(text, key):
                 out[key] = _one_shape(key, values, who)
+                _check_unstacked(key, out[key], per_call, who)
     if len(_SHAPES) > 64:
         _SHAPES.clear()
     _SHAPES[cache_key] = out
@@ -83,6 +93,23 @@ def _one_shape(key: str, values: tuple[Any, ...], who: str) -> Any:
             f"array of one shape at every call. Fix: target an operation that is."
         )
     return jax.ShapeDtypeStruct(first.shape, first.dtype)
+
+
+def _check_unstacked(key: str, spec: Any, per_call: dict[str, Any], who: str) -> None:
+    """An operation inside a scan over layers, named without a layer suffix, is captured
+    stacked by layer; a grid patches one layer of it per row."""
+    site, _, op = key.rpartition(":")
+    path, method = split_method(site)
+    plain, layers = split_layers(path)
+    one = per_call.get(f"{plain}{':' + method if method else ''}:{op}")
+    if layers is None and one is not None and tuple(one) != tuple(spec.shape):
+        n = spec.shape[0]
+        rows = f"{plain}[0:{n}]{':' + method if method else ''}:{op}"
+        raise PatchError(
+            f"{who}: operation {key!r} runs inside a scan over layers ({n} layers of shape "
+            f"{tuple(one)}); a grid patches one layer per row. Fix: ops={rows!r} (one row per "
+            f"layer), or a layer suffix naming some of them."
+        )
 
 
 def check_heads(heads: Any, shapes: dict[str, Any], axis: int, positions: Any, who: str) -> int:
