@@ -694,7 +694,7 @@ def test_the_head_model_is_its_reference() -> None:
     assert rows["layers/0/attn:dot_general#1"].outputs == (f"f32[{B},{H},{T},{DH}]",)
 
 
-@pytest.mark.parametrize("mode", ["eager", "jax.jit"])
+@pytest.mark.parametrize("mode", ["eager", "jax.jit", "nnx.jit"])
 def test_head_grid_equals_hand_patched_forwards(mode: str) -> None:
     """Every (layer, head, position) cell: that head's output at that position replaced by the
     clean run's, the attention edited by hand."""
@@ -702,11 +702,15 @@ def test_head_grid_equals_hand_patched_forwards(mode: str) -> None:
     def grid(model: NHeadModel, clean: jax.Array, corrupt: jax.Array, **kw: Any) -> Any:
         return hx.patch_grid(model, (clean,), (corrupt,), metric, ops=HEAD_OP, heads=1, **kw)
 
-    run = grid if mode == "eager" else jax.jit(grid, static_argnames=("axis", "positions"))
+    static = ("axis", "positions")
+    run = {"eager": grid, "jax.jit": jax.jit(grid, static_argnames=static)}.get(mode)
+    run = run or nnx.jit(grid, static_argnames=static)
     got = run(NHeadModel(), CLEAN, CORRUPT, axis=2)
     assert got.shape == (2, H, T)  # (target, head, position)
     close(got, HEAD_GRID)
     assert float(jnp.abs(HEAD_GRID - M_HEAD_CORRUPT).max()) > 1e-2  # the patches change it
+    if mode != "jax.jit":  # the same code path in every mode: once is enough
+        return
     whole = run(NHeadModel(), CLEAN, CORRUPT, axis=2, positions=None)
     assert whole.shape == (2, H)
     want = [
