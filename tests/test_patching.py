@@ -430,6 +430,20 @@ def test_positions_masks_indices_and_chunks_give_the_same_grid() -> None:
             close(two[r, c], metric(reference(CORRUPT, hand_patch(layer, CLEAN_ACTS[layer], m))))
 
 
+def test_the_default_chunk_on_cpu_cuts_rows_evenly(monkeypatch: Any) -> None:
+    """On CPU a row is cut into even chunks of at most CPU_CHUNK_BYTES of target values; the
+    grid is the same."""
+    from hookax._patching import grid as grid_module
+
+    assert jax.default_backend() == "cpu"
+    monkeypatch.setattr(grid_module, "CPU_MIN_CHUNK", 1)
+    monkeypatch.setattr(grid_module, "CPU_CHUNK_BYTES", 4 * B * T * D * 4)  # 4 patches' values
+    plan = grid_module.Plan("t", NModel(), (CLEAN,), (CORRUPT,), metric, "layers/*", "each", 1)
+    assert [used for _, used in plan.chunks(None)] == [3, 2]  # two calls of 3, not 4 and 1
+    assert [used for _, used in plan.chunks(4)] == [4, 1]  # an explicit size is kept
+    close(plan.grid(None), LAYER_GRID)
+
+
 def test_scanned_stack_row_patches_every_layer() -> None:
     model = Scanned()
     grid = hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where="blocks", chunk_size=2)

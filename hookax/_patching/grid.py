@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -31,6 +32,10 @@ from .patch import PatchError, patching
 __all__ = ["Plan", "patch_grid"]
 
 WHO = "hx.patch_grid"
+# The default chunk on CPU: 32 patches of bench_patching's (1, 64, 64) float32 residual stream
+# took 15% less CPU time than whole rows of 64 (2-core AMD EPYC, 2 MiB L2 per core).
+CPU_CHUNK_BYTES = 512 * 1024
+CPU_MIN_CHUNK = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,13 +189,24 @@ class Plan:
             return rows
         return rows.reshape(rows.shape[0], self.n_heads, self.cols.shape[0], *rows.shape[2:])
 
+    def auto_chunk(self, n: int) -> int:
+        """The default chunk: a whole row on an accelerator; on CPU, rows cut evenly into
+        chunks of at most :data:`CPU_CHUNK_BYTES` of target values (at least
+        :data:`CPU_MIN_CHUNK` patches), so a chunk's temporaries stay in cache."""
+        if jax.default_backend() != "cpu":
+            return n
+        size = max(math.prod(s.shape) * s.dtype.itemsize for s in self.shapes.values())
+        most = max(CPU_MIN_CHUNK, CPU_CHUNK_BYTES // max(size, 1))
+        calls = -(-n // most)
+        return -(-n // calls)
+
     def chunks(self, chunk_size: int | None) -> list[tuple[Any, int]]:
         """The patches cut into chunks of one size (the last padded): ``(chunk, used)``."""
         patches = self.patches()
         if all(p is None for p in patches):
             return [(patches, 1)]
         n = next(p for p in patches if p is not None).shape[0]
-        c = n if chunk_size is None else min(chunk_size, n)
+        c = self.auto_chunk(n) if chunk_size is None else min(chunk_size, n)
         out = []
         for start in range(0, n, c):
             used = min(c, n - start)
@@ -274,7 +290,9 @@ def patch_grid(
         whole output (no column axis); or an array whose leading axis lists the patches, each an
         index, indices or a boolean mask as [`hx.patching`][hookax.patching] takes them.
       axis: the position axis of the targets' values.
-      chunk_size: the most patches per target one program call runs; default a whole row.
+      chunk_size: the most patches per target one program call runs; default a whole row
+        (on CPU, rows cut evenly into chunks of at most 512 KiB of the targets' values, at
+        least 8 patches: smaller batches stay in cache).
 
     Returns:
       ``[n_targets, n_columns, *metric's shape]`` (``[n_targets, *metric's shape]`` for
