@@ -2,13 +2,15 @@
 
 The clean run's values at the targets are captured once (``hx.capture``, jitted). The grid is
 one compiled program per chunk shape: for each target, ``jax.vmap`` over a chunk of positions of
-the corrupted forward inside an ``hx.patching`` block, the targets one after another (an
-optimization barrier orders them, so one target's temporaries are live at a time). The vmapped
-forward depends on the batched position only from the patched call site on, so everything
-before it is computed once per chunk, not once per patch: the program a careful hand-written
-grid would be. One program rather than one per target: XLA's fixed cost per compile is paid
-once (a 12-layer grid compiled 3x faster). Programs are cached across calls (see
-:mod:`.compiled`); ``chunk_size`` bounds how many patches per target one call runs.
+the corrupted forward inside an ``hx.patching`` block (an ``hx.intercept_op`` edit for an
+operation target, :mod:`.heads`; with ``heads=``, the vmap runs over heads x positions), the
+targets one after another (an optimization barrier orders them, so one target's temporaries are
+live at a time). The vmapped forward depends on the batched position only from the patched call
+site on, so everything before it is computed once per chunk, not once per patch: the program a
+careful hand-written grid would be. One program rather than one per target: XLA's fixed cost per
+compile is paid once (a 12-layer grid compiled 3x faster). Programs are cached across calls (see
+:mod:`.compiled`); ``chunk_size`` bounds how many patches per target one call runs (on CPU by
+default rows are cut into chunks that keep a chunk's temporaries in cache).
 """
 
 from __future__ import annotations
