@@ -11,6 +11,7 @@ patched value is compared with.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -429,6 +430,20 @@ def test_positions_masks_indices_and_chunks_give_the_same_grid() -> None:
             close(two[r, c], metric(reference(CORRUPT, hand_patch(layer, CLEAN_ACTS[layer], m))))
 
 
+def test_the_default_chunk_on_cpu_cuts_rows_evenly(monkeypatch: Any) -> None:
+    """On CPU a row is cut into even chunks of at most CPU_CHUNK_BYTES of target values; the
+    grid is the same."""
+    from hookax._patching import grid as grid_module
+
+    assert jax.default_backend() == "cpu"
+    monkeypatch.setattr(grid_module, "CPU_MIN_CHUNK", 1)
+    monkeypatch.setattr(grid_module, "CPU_CHUNK_BYTES", 4 * B * T * D * 4)  # 4 patches' values
+    plan = grid_module.Plan("t", NModel(), (CLEAN,), (CORRUPT,), metric, "layers/*", "each", 1)
+    assert [used for _, used in plan.chunks(None)] == [3, 2]  # two calls of 3, not 4 and 1
+    assert [used for _, used in plan.chunks(4)] == [4, 1]  # an explicit size is kept
+    close(plan.grid(None), LAYER_GRID)
+
+
 def test_scanned_stack_row_patches_every_layer() -> None:
     model = Scanned()
     grid = hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where="blocks", chunk_size=2)
@@ -596,3 +611,296 @@ def test_one_layer_of_a_scanned_stack_by_suffix():
             w, b, corrupt, lambda j, o, i=i: acts["blocks/mlp"][0][i] if j == i else o
         )
         np.testing.assert_allclose(grid[i], metric(by_hand), rtol=1e-5)
+
+
+# --- heads: operations as targets, one row per head --------------------------------------------
+
+H, DH = 2, D // 2  # heads, features per head
+_kh = jax.random.split(jax.random.key(11), 3 * 2)
+WQKV = [[jax.random.normal(_kh[3 * i + j], (D, D)) / 2 for j in range(3)] for i in range(2)]
+HEAD_OP = "layers/*/attn:dot_general#1"  # the einsum over the probabilities: (b, h, q, d)
+
+
+def head_attention(x: jax.Array, wq: Any, wk: Any, wv: Any, patch: Any = None) -> jax.Array:
+    """Causal attention by hand; ``patch(out) -> out`` rewrites the per-head outputs
+    ``(batch, heads, position, features)``: the hand patch."""
+    split = lambda t: t.reshape(*t.shape[:-1], H, DH)  # noqa: E731
+    q, k, v = split(x @ wq), split(x @ wk), split(x @ wv)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -1e9)
+    out = jnp.einsum("bhqk,bkhd->bhqd", jax.nn.softmax(s, axis=-1), v)
+    if patch is not None:
+        out = patch(out)
+    return out.transpose(0, 2, 1, 3).reshape(*x.shape)
+
+
+def head_reference(x: jax.Array, patch: Callable[[int, jax.Array], jax.Array] | None = None):
+    """Two residual attention blocks and a readout, by hand; ``patch(layer, out)``."""
+    for layer, (wq, wk, wv) in enumerate(WQKV):
+        edit = None if patch is None else (lambda out, layer=layer: patch(layer, out))
+        x = x + head_attention(x, wq, wk, wv, edit)
+    return x @ W_OUT
+
+
+def head_outputs(x: jax.Array) -> list[jax.Array]:
+    outs: list[jax.Array] = []
+    head_reference(x, lambda layer, out: outs.append(out) or out)
+    return outs
+
+
+class NAttn(nnx.Module):
+    def __init__(self, layer: int) -> None:
+        self.q, self.k, self.v = (nnx.Linear(D, D, use_bias=False, rngs=nnx.Rngs(0)) for _ in "qkv")
+        for lin, w in zip((self.q, self.k, self.v), WQKV[layer]):
+            lin.kernel.set_value(w)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        split = lambda t: t.reshape(*t.shape[:-1], H, DH)  # noqa: E731
+        q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        s = jnp.where(jnp.tril(jnp.ones((T, T), bool)), s, -1e9)
+        out = jnp.einsum("bhqk,bkhd->bhqd", jax.nn.softmax(s, axis=-1), v)
+        return out.transpose(0, 2, 1, 3).reshape(*x.shape)
+
+
+class NHeadBlock(nnx.Module):
+    def __init__(self, layer: int) -> None:
+        self.attn = NAttn(layer)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + self.attn(x)
+
+
+class NHeadModel(nnx.Module):
+    def __init__(self) -> None:
+        self.layers = nnx.List([NHeadBlock(i) for i in range(2)])
+        self.out = nnx.Linear(D, V, use_bias=False, rngs=nnx.Rngs(0))
+        self.out.kernel.set_value(W_OUT)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+CLEAN_HEADS = head_outputs(CLEAN)
+
+
+def head_patch(layer: int, head: int, pos: Any) -> Callable[[int, jax.Array], jax.Array]:
+    """Head ``head`` of block ``layer`` replaced by the clean run's at ``pos`` (None: all)."""
+    m = jnp.ones(T, bool) if pos is None else jnp.arange(T) == pos
+    mask = (jnp.arange(H) == head)[:, None, None] & m[:, None]  # over (heads, position, features)
+    return lambda at, out: jnp.where(mask, CLEAN_HEADS[layer], out) if at == layer else out
+
+
+HEAD_GRID = jnp.array(
+    [
+        [[metric(head_reference(CORRUPT, head_patch(i, h, p))) for p in range(T)] for h in range(H)]
+        for i in range(2)
+    ]
+)
+
+
+def test_the_head_model_is_its_reference() -> None:
+    model = NHeadModel()
+    close(model(CLEAN), head_reference(CLEAN))
+    rows = {r.address: r for r in hx.ops(model, CLEAN).rows}
+    assert rows["layers/0/attn:dot_general#1"].outputs == (f"f32[{B},{H},{T},{DH}]",)
+
+
+@pytest.mark.parametrize("mode", ["eager", "jax.jit", "nnx.jit"])
+def test_head_grid_equals_hand_patched_forwards(mode: str) -> None:
+    """Every (layer, head, position) cell: that head's output at that position replaced by the
+    clean run's, the attention edited by hand."""
+
+    def grid(model: NHeadModel, clean: jax.Array, corrupt: jax.Array, **kw: Any) -> Any:
+        return hx.patch_grid(model, (clean,), (corrupt,), metric, ops=HEAD_OP, heads=1, **kw)
+
+    static = ("axis", "positions")
+    run = {"eager": grid, "jax.jit": jax.jit(grid, static_argnames=static)}.get(mode)
+    run = run or nnx.jit(grid, static_argnames=static)
+    got = run(NHeadModel(), CLEAN, CORRUPT, axis=2)
+    assert got.shape == (2, H, T)  # (target, head, position)
+    close(got, HEAD_GRID)
+    assert float(jnp.abs(HEAD_GRID - M_HEAD_CORRUPT).max()) > 1e-2  # the patches change it
+    if mode != "jax.jit":  # the same code path in every mode: once is enough
+        return
+    whole = run(NHeadModel(), CLEAN, CORRUPT, axis=2, positions=None)
+    assert whole.shape == (2, H)
+    want = [
+        [metric(head_reference(CORRUPT, head_patch(i, h, None))) for h in range(H)] for i in (0, 1)
+    ]
+    close(whole, jnp.array(want))
+
+
+M_HEAD_CORRUPT = metric(head_reference(CORRUPT))
+
+
+def test_head_grid_chunks_and_position_arrays_give_the_same_grid() -> None:
+    model = NHeadModel()
+    args = (model, (CLEAN,), (CORRUPT,), metric)
+    close(hx.patch_grid(*args, ops=HEAD_OP, heads=1, axis=2, chunk_size=3), HEAD_GRID)
+    masks = jnp.eye(T, dtype=bool)[jnp.array([4, 1])]
+    got = hx.patch_grid(
+        *args, ops="layers/1/attn:dot_general#1", heads=-3, axis=-2, positions=masks
+    )
+    close(got, HEAD_GRID[1:, :, jnp.array([4, 1])])
+
+
+def block_patched(mask: jax.Array) -> jax.Array:
+    """The metric with block 0's output replaced by the clean run's under ``mask``, by hand."""
+    x = CORRUPT + head_attention(CORRUPT, *WQKV[0])
+    x = jnp.where(mask, CLEAN + head_attention(CLEAN, *WQKV[0]), x)
+    return metric((x + head_attention(x, *WQKV[1])) @ W_OUT)
+
+
+def test_heads_of_a_call_site() -> None:
+    """``heads=`` on a call site's output: here the block's features stand for heads."""
+    model = NHeadModel()
+    got = hx.patch_grid(
+        model, (CLEAN,), (CORRUPT,), metric, where="layers/0", heads=-1, positions=jnp.array([3])
+    )
+    assert got.shape == (1, D, 1)
+    at3 = (jnp.arange(T) == 3)[:, None]
+    close(got[0, :, 0], jnp.stack([block_patched(at3 & (jnp.arange(D) == f)) for f in range(D)]))
+
+
+def test_a_call_site_and_an_operation_in_one_grid() -> None:
+    """The call site's row first, then the operation's; one position axis (``-2``) for both."""
+    model = NHeadModel()
+    args = (model, (CLEAN,), (CORRUPT,), metric)
+    both = hx.patch_grid(*args, where="layers/0", ops="layers/1/attn:dot_general#1", axis=-2)
+    assert both.shape == (2, T)
+    for p in range(T):
+        mask = (jnp.arange(T) == p)[:, None]
+        close(both[0, p], block_patched(mask))
+
+        def edit(at: int, out: jax.Array, mask: jax.Array = mask) -> jax.Array:
+            return jnp.where(mask, CLEAN_HEADS[1], out) if at == 1 else out
+
+        close(both[1, p], metric(head_reference(CORRUPT, edit)))
+
+
+def hand_head_attribution() -> jax.Array:
+    """(clean - corrupted) . d metric / d (per-head output), by jax.grad of a perturbation
+    added by hand to each block's per-head outputs; summed per (layer, head, position)."""
+
+    def perturbed(deltas: jax.Array) -> jax.Array:
+        return metric(head_reference(CORRUPT, lambda layer, out: out + deltas[layer]))
+
+    grads = jax.grad(perturbed)(jnp.zeros((2, B, H, T, DH)))
+    diff = jnp.stack(CLEAN_HEADS) - jnp.stack(head_outputs(CORRUPT))
+    return (diff * grads).sum(axis=(1, 4))  # (layer, head, position)
+
+
+HEAD_ATTRIBUTION = hand_head_attribution()
+
+
+def test_head_attribution_equals_its_formula() -> None:
+    model = NHeadModel()
+    args = (model, (CLEAN,), (CORRUPT,), metric)
+    want = HEAD_ATTRIBUTION
+    got = hx.attribution_patch(*args, ops=HEAD_OP, heads=1, axis=2)
+    assert got.shape == (2, H, T)
+    close(got, want)
+    close(hx.attribution_patch(*args, ops=HEAD_OP, heads=1, axis=2, positions=None), want.sum(2))
+
+
+def test_head_attribution_under_jax_jit_with_the_model_as_argument() -> None:
+    want = HEAD_ATTRIBUTION
+    got = jax.jit(
+        lambda m, c, x: hx.attribution_patch(m, (c,), (x,), metric, ops=HEAD_OP, heads=1, axis=2)
+    )(NHeadModel(), CLEAN, CORRUPT)
+    close(got, want)
+
+
+def test_head_targets_that_do_not_fit_raise_naming_them() -> None:
+    model = NHeadModel()
+    args = (model, (CLEAN,), (CORRUPT,), metric)
+    with pytest.raises(
+        hx.SelectorError,
+        match=r"hx.patch_grid: ops='layers/\*/attn:softmx' matched no operation.*'layers/",
+    ):
+        hx.patch_grid(*args, ops="layers/*/attn:softmx", heads=1, axis=2)
+    with pytest.raises(hx.SelectorError, match=r"hx.attribution_patch: ops='mlp:dot_general'"):
+        hx.attribution_patch(*args, ops="mlp:dot_general", heads=1, axis=2)
+    with pytest.raises(
+        hx.HookaxError,
+        match=r"heads=4 is out of range for target 'layers/0/attn:dot_general#1', whose value "
+        r"has shape \(2, 2, 5, 2\)",
+    ):
+        hx.patch_grid(*args, ops=HEAD_OP, heads=4, axis=2)
+    with pytest.raises(hx.PatchError, match="heads=2 and axis=2 are the same axis"):
+        hx.attribution_patch(*args, ops=HEAD_OP, heads=2, axis=2)
+    with pytest.raises(hx.PatchError, match="heads= takes the head axis"):
+        hx.patch_grid(*args, ops=HEAD_OP, heads="1")
+    with pytest.raises(hx.HookaxError, match="no targets: pass where="):
+        hx.patch_grid(*args)
+
+
+def scanned_mlp() -> tuple[Any, Any, Any, dict[int, jax.Array], dict[int, jax.Array]]:
+    """tests/test_scan_layers.py's scanned stack, its weights, and each layer's product
+    ``h @ w[i]`` in the clean and the corrupted run, by hand."""
+    from tests.test_scan_layers import Scanned as ScannedMLP
+    from tests.test_scan_layers import X, _kernels, unrolled
+
+    model = ScannedMLP()
+    w, b = _kernels(model)
+    dots: list[dict[int, jax.Array]] = [{}, {}]
+    for x, out in zip((X, X[::-1] * 0.5), dots):
+
+        def record(i: int, h: jax.Array, out: dict[int, jax.Array] = out) -> jax.Array:
+            out[i] = h @ w[i]
+            return h
+
+        unrolled(w, b, x, pre=record)
+    return model, w, b, dots[0], dots[1]
+
+
+def test_an_operation_in_one_layer_of_a_scanned_stack_per_head() -> None:
+    """``ops="blocks/mlp[1,3]:dot_general"``: one row per layer, each cell one feature (as a
+    head) of one batch row of that layer's product patched, against the layers unrolled by
+    hand."""
+    from tests.test_scan_layers import X, unrolled
+
+    model, w, b, clean_dots, _ = scanned_mlp()
+    clean, corrupt = X, X[::-1] * 0.5
+    got = hx.patch_grid(
+        model, (clean,), (corrupt,), jnp.sum, ops="blocks/mlp[1,3]:dot_general", heads=1, axis=0
+    )
+    assert got.shape == (2, 4, 2)  # (layer, feature, batch row)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def by_hand(layer: int, f: jax.Array, row: jax.Array) -> jax.Array:
+        mask = (jnp.arange(2) == row)[:, None] & (jnp.arange(4) == f)
+        value = clean_dots[layer] + b[layer]
+        return unrolled(w, b, corrupt, lambda i, o: jnp.where(mask, value, o) if i == layer else o)
+
+    for r, layer in enumerate((1, 3)):
+        for f in range(4):
+            for row in range(2):
+                close(got[r, f, row], by_hand(layer, f, row).sum())
+
+
+def test_attribution_of_an_operation_in_one_layer_of_a_scanned_stack() -> None:
+    """Attribution in the same layout: (clean - corrupted) . d sum / d product, by jax.grad of a
+    perturbation of each layer's product added by hand; without a layer suffix, an error."""
+    from tests.test_scan_layers import X, unrolled
+
+    model, w, b, clean_dots, corrupt_dots = scanned_mlp()
+    clean, corrupt = X, X[::-1] * 0.5
+
+    def perturbed(d: jax.Array) -> jax.Array:
+        edit = lambda i, o: o + d[(1, 3).index(i)] if i in (1, 3) else o  # noqa: E731
+        return unrolled(w, b, corrupt, edit).sum()
+
+    g = jax.grad(perturbed)(jnp.zeros((2, 2, 4)))
+    want = jnp.stack([((clean_dots[i] - corrupt_dots[i]) * g[r]).T for r, i in enumerate((1, 3))])
+    est = hx.attribution_patch(
+        model, (clean,), (corrupt,), jnp.sum, ops="blocks/mlp[1,3]:dot_general", heads=1, axis=0
+    )
+    close(est, want)
+    with pytest.raises(
+        hx.PatchError, match=r"'blocks/mlp:dot_general' runs inside a scan.*'blocks/mlp\[0:5\]"
+    ):
+        hx.patch_grid(model, (clean,), (corrupt,), jnp.sum, ops="blocks/mlp:dot_general")

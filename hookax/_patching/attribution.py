@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 
 from .._capture.actgrad import value_and_grad
-from .._capture.capture import capture
 from . import compiled, targets
-from .grid import Plan
+from .grid import Plan, capture_targets
+from .heads import patch_mask
 from .patch import PatchError, position_mask
 
 __all__ = ["attribution_patch"]
@@ -34,6 +34,8 @@ class _Spec:
     keys: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]  # each target's output shape (one call, one layer)
     axis: int
+    ops: tuple[str, ...] = ()  # the keys that are operations
+    heads: int | None = None  # the head axis of every target's value
 
 
 @jax.tree_util.register_static
@@ -44,10 +46,10 @@ class _Closed:
     fn: Any
 
 
-def _loss(metric: Callable[[Any], Any], sel: Any) -> Callable[..., Any]:
+def _loss(metric: Callable[[Any], Any], keys: list[str], ops: list[str]) -> Callable[..., Any]:
     def loss(_: Any, fn: Any, *args: Any) -> tuple[Any, Any]:
         fn = fn.fn if isinstance(fn, _Closed) else fn
-        y, acts = capture(fn, where=sel)(*args)
+        y, acts = capture_targets(fn, keys, ops)(*args)
         m = metric(y)
         if jnp.shape(m) != ():
             raise PatchError(
@@ -69,6 +71,19 @@ def _term(key: str, shape: tuple[int, ...], clean: Any, corrupt: Any, grad: Any)
     return total
 
 
+def _row(term: Any, cols: Any, shape: tuple[int, ...], spec: _Spec, key: str) -> Any:
+    """The term projected on the columns, and with ``heads=`` on each head: ``[n_heads, ...]``."""
+    if spec.heads is None:
+        return _project(term, cols, shape, spec.axis, key)
+    n = shape[spec.heads % len(shape)]
+
+    def one(head: Any) -> Any:
+        mask = patch_mask(None, head, shape, spec.axis, spec.heads, key)
+        return _project(jnp.where(mask, term, 0), cols, shape, spec.axis, key)
+
+    return jax.vmap(one)(jnp.arange(n))
+
+
 def _project(term: Any, cols: Any, shape: tuple[int, ...], axis: int, key: str) -> Any:
     """The term summed over each column's positions (all but ``axis`` for single indices)."""
     if cols is None:
@@ -85,17 +100,20 @@ def _project(term: Any, cols: Any, shape: tuple[int, ...], axis: int, key: str) 
 @functools.partial(jax.jit, static_argnums=0)
 def _attribute(spec: _Spec, dyn: list[Any], clean: dict[str, Any], cols: Any) -> Any:
     fn, args = compiled.join(dyn, spec.rest)
-    sel = targets.selector(list(spec.keys))
-    loss = _loss(compiled.value_of(spec.metric), sel)
+    keys, ops = list(spec.keys), list(spec.ops)
+    loss = _loss(compiled.value_of(spec.metric), keys, ops)
     zero = jnp.zeros((), jnp.float32)  # differentiated (argnums=0), so the model is not
     # A module goes in as an argument (NNX transforms inside it need it at this trace level);
     # a function without arrays (Linen's apply) as an empty pytree that holds it.
     held = fn if any(compiled.is_array(x) for x in jax.tree.leaves(fn)) else _Closed(fn)
-    (_, corrupt), _, grads = value_and_grad(loss, where=sel, has_aux=True)(zero, held, *args)
+    sites = [k for k in keys if k not in ops]
+    where = {"where": targets.selector(sites)} if sites else {}
+    grad = value_and_grad(loss, **where, ops=ops or None, has_aux=True)
+    (_, corrupt), _, grads = grad(zero, held, *args)
     rows = []
     for key, shape in zip(spec.keys, spec.shapes):
         term = _term(key, shape, clean[key], corrupt[key], grads[key])
-        rows.append(_project(term, cols, shape, spec.axis, key))
+        rows.append(_row(term, cols, shape, spec, key))
     return jnp.stack(rows)
 
 
@@ -105,7 +123,9 @@ def attribution_patch(
     corrupt_args: tuple[Any, ...],
     metric: Callable[[Any], Any],
     *,
-    where: Any,
+    where: Any = None,
+    ops: Any = None,
+    heads: int | None = None,
     positions: Any = "each",
     axis: int = 1,
 ) -> jax.Array:
@@ -124,6 +144,9 @@ def attribution_patch(
       clean_args: as [`hx.patch_grid`][hookax.patch_grid].
       corrupt_args: as [`hx.patch_grid`][hookax.patch_grid].
       where: as [`hx.patch_grid`][hookax.patch_grid].
+      ops: as [`hx.patch_grid`][hookax.patch_grid].
+      heads: as [`hx.patch_grid`][hookax.patch_grid]: entry ``[target, head, column]`` sums
+        the term over one head's part of the value.
       positions: as [`hx.patch_grid`][hookax.patch_grid].
       axis: as [`hx.patch_grid`][hookax.patch_grid].
       metric: ``fn``'s output -> a scalar.
@@ -143,7 +166,7 @@ def attribution_patch(
       >>> bool(jnp.allclose(est, exact - metric(model(corrupt))))  # exact for a linear metric
       True
     """
-    plan = Plan(WHO, fn, clean_args, corrupt_args, metric, where, positions, axis)
+    plan = Plan(WHO, fn, clean_args, corrupt_args, metric, where, positions, axis, ops, heads)
     shapes = tuple(tuple(plan.shapes[k].shape) for k in plan.keys)
-    spec = _Spec(plan.rest, plan.metric, tuple(plan.keys), shapes, axis)
+    spec = _Spec(plan.rest, plan.metric, tuple(plan.keys), shapes, axis, tuple(plan.ops), heads)
     return _attribute(spec, plan.dyn, plan.acts, plan.cols)

@@ -2,19 +2,22 @@
 
 The clean run's values at the targets are captured once (``hx.capture``, jitted). The grid is
 one compiled program per chunk shape: for each target, ``jax.vmap`` over a chunk of positions of
-the corrupted forward inside an ``hx.patching`` block, the targets one after another (an
-optimization barrier orders them, so one target's temporaries are live at a time). The vmapped
-forward depends on the batched position only from the patched call site on, so everything
-before it is computed once per chunk, not once per patch: the program a careful hand-written
-grid would be. One program rather than one per target: XLA's fixed cost per compile is paid
-once (a 12-layer grid compiled 3x faster). Programs are cached across calls (see
-:mod:`.compiled`); ``chunk_size`` bounds how many patches per target one call runs.
+the corrupted forward inside an ``hx.patching`` block (an ``hx.intercept_op`` edit for an
+operation target, :mod:`.heads`; with ``heads=``, the vmap runs over heads x positions), the
+targets one after another (an optimization barrier orders them, so one target's temporaries are
+live at a time). The vmapped forward depends on the batched position only from the patched call
+site on, so everything before it is computed once per chunk, not once per patch: the program a
+careful hand-written grid would be. One program rather than one per target: XLA's fixed cost per
+compile is paid once (a 12-layer grid compiled 3x faster). Programs are cached across calls (see
+:mod:`.compiled`); ``chunk_size`` bounds how many patches per target one call runs (on CPU by
+default rows are cut into chunks that keep a chunk's temporaries in cache).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -22,13 +25,19 @@ import jax
 import jax.numpy as jnp
 
 from .._capture.capture import capture
+from .._capture.ops import intercept_op
 from .._util.errors import HookaxError
 from . import compiled, targets
+from .heads import check_heads, discover_ops, full_mask, op_edit
 from .patch import PatchError, patching
 
 __all__ = ["Plan", "patch_grid"]
 
 WHO = "hx.patch_grid"
+# The default chunk on CPU: 32 patches of bench_patching's (1, 64, 64) float32 residual stream
+# took 15% less CPU time than whole rows of 64 (2-core AMD EPYC, 2 MiB L2 per core).
+CPU_CHUNK_BYTES = 512 * 1024
+CPU_MIN_CHUNK = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,34 +46,62 @@ class _GridSpec:
     metric: Any  # a static_key of the metric
     keys: tuple[str, ...]
     axis: int
+    ops: tuple[str, ...] = ()  # the keys that are operations (patched by hx.intercept_op)
+    heads: int | None = None  # the head axis of every target's value
+    shapes: tuple[tuple[int, ...], ...] = ()  # each key's value shape (one call)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _clean(rest: compiled.Static, keys: tuple[str, ...], dyn: list[Any]) -> dict[str, Any]:
+def capture_targets(fn: Any, keys: list[str], ops: list[str]) -> Callable[..., Any]:
+    """``hx.capture`` of the call sites ``keys`` and the operations ``ops``."""
+    sites = [k for k in keys if k not in ops]
+    if not ops:
+        return capture(fn, where=targets.selector(sites))
+    if not sites:
+        return capture(fn, ops=ops)
+    return capture(fn, where=targets.selector(sites), ops=ops)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _clean(
+    rest: compiled.Static, keys: tuple[str, ...], ops: tuple[str, ...], dyn: list[Any]
+) -> dict[str, Any]:
     fn, args = compiled.join(dyn, rest)
-    _, acts = capture(fn, where=targets.selector(list(keys)))(*args)
+    _, acts = capture_targets(fn, list(keys), list(ops))(*args)
     return acts
 
 
+def _patched(spec: _GridSpec, key: str, values: dict[str, Any], col: Any, head: Any) -> Any:
+    """The block that applies one patch of ``key``."""
+    if key in spec.ops:
+        edit = op_edit(key, values[key], col, head, spec.axis, spec.heads)
+        return intercept_op(edit, ops=key)
+    if head is None:
+        return patching({key: values[key]}, positions=col, axis=spec.axis)
+    shape = spec.shapes[spec.keys.index(key)]
+    mask = full_mask(col, head, shape, spec.axis, spec.heads, key)
+    return patching({key: values[key]}, positions=mask, axis=-1)
+
+
 @functools.partial(jax.jit, static_argnums=0)
-def _grid(spec: _GridSpec, dyn: list[Any], values: dict[str, Any], cols: Any) -> Any:
-    """Every target's row for the patches ``cols``: one program, one vmap per target."""
+def _grid(spec: _GridSpec, dyn: list[Any], values: dict[str, Any], patches: Any) -> Any:
+    """Every target's row for ``patches`` (``(columns, heads)``, either None, a leading axis
+    on those given): one program, one vmap per target."""
     metric = compiled.value_of(spec.metric)
 
-    def one(key: str, dyn: list[Any], col: Any, values: dict[str, Any]) -> Any:
+    def one(key: str, dyn: list[Any], patch: Any, values: dict[str, Any]) -> Any:
         fn, args = compiled.join(dyn, spec.rest)  # rebuilt inside the vmap (NNX transforms)
-        with patching({key: values[key]}, positions=col, axis=spec.axis):
+        with _patched(spec, key, values, *patch):
             return metric(fn(*args))
 
     rows: list[Any] = []
     for key in spec.keys:
         if rows:  # one row after the other: a chunk's temporaries, not n_targets', are live
-            dyn, values, cols, _ = jax.lax.optimization_barrier((dyn, values, cols, rows[-1]))
-        if cols is None:
-            rows.append(one(key, dyn, None, values))
+            dyn, values, patches, _ = jax.lax.optimization_barrier((dyn, values, patches, rows[-1]))
+        if all(p is None for p in patches):
+            rows.append(one(key, dyn, patches, values))
         else:
             row = jax.vmap(functools.partial(one, key), in_axes=(None, 0, None))
-            rows.append(row(dyn, cols, values))
+            rows.append(row(dyn, patches, values))
     return jnp.stack(rows)
 
 
@@ -78,7 +115,7 @@ def _as_args(args: Any, name: str) -> tuple[Any, ...]:
 
 
 class Plan:
-    """What a grid (or its attribution) needs: targets, their clean values, the columns."""
+    """What a grid (or its attribution) needs: targets, their clean values, the patches."""
 
     def __init__(
         self,
@@ -90,58 +127,118 @@ class Plan:
         where: Any,
         positions: Any,
         axis: int,
+        ops: Any = None,
+        heads: Any = None,
     ) -> None:
         for name, f in (("fn", fn), ("metric", metric)):
             if not callable(f):
                 raise HookaxError(f"{who}: {name} must be callable, got {f!r}.")
+        if where is None and ops is None:
+            raise HookaxError(
+                f"{who}: no targets: pass where= (call sites, 'layers/*') or ops= (operations "
+                f"inside them, 'layers/*/attn:dot_general#1'), or both."
+            )
         clean_args, corrupt_args = (
             _as_args(clean_args, "clean_args"),
             _as_args(corrupt_args, "corrupt_args"),
         )
-        found = targets.discover(fn, corrupt_args)
-        self.keys = targets.expand(targets.parse(where, who), found, who)
-        self.shapes = {k: targets.out_spec(k, found, who) for k in self.keys}
+        self.keys, self.shapes = [], {}
+        if where is not None:
+            found = targets.discover(fn, corrupt_args)
+            self.keys = targets.expand(targets.parse(where, who), found, who)
+            self.shapes = {k: targets.out_spec(k, found, who) for k in self.keys}
+        op_shapes = {} if ops is None else discover_ops(fn, corrupt_args, ops, who)
+        self.ops = [k for k in op_shapes if k not in self.shapes]
+        self.keys += self.ops
+        self.shapes.update({k: op_shapes[k] for k in self.ops})
         self.axis = axis
         self.cols = targets.columns(positions, axis, self.shapes, who)
+        self.heads = heads
+        self.n_heads = None
+        if heads is not None:
+            self.n_heads = check_heads(heads, self.shapes, axis, self.cols, who)
         clean_dyn, clean_rest = compiled.split((fn, clean_args))
-        self.acts = _clean(clean_rest, tuple(self.keys), clean_dyn)
+        self.acts = _clean(clean_rest, tuple(self.keys), tuple(self.ops), clean_dyn)
         self.dyn, self.rest = compiled.split((fn, corrupt_args))
         self.metric = compiled.static_key(metric)
 
     def spec(self) -> _GridSpec:
-        return _GridSpec(self.rest, self.metric, tuple(self.keys), self.axis)
+        shapes = tuple(tuple(self.shapes[k].shape) for k in self.keys)
+        return _GridSpec(
+            self.rest,
+            self.metric,
+            tuple(self.keys),
+            self.axis,
+            tuple(self.ops),
+            self.heads,
+            shapes,
+        )
+
+    def patches(self) -> tuple[Any, Any]:
+        """The patches of one row, ``(columns, heads)`` with one leading axis (either None):
+        with heads, head ``h`` with every column, for each ``h`` in turn."""
+        if self.n_heads is None:
+            return self.cols, None
+        hs = jnp.arange(self.n_heads, dtype=jnp.int32)
+        if self.cols is None:
+            return None, hs
+        n = self.cols.shape[0]
+        return jnp.tile(self.cols, (self.n_heads,) + (1,) * (self.cols.ndim - 1)), jnp.repeat(hs, n)
+
+    def layout(self, rows: Any) -> Any:
+        """``[n_targets, n_patches, ...]`` as ``[n_targets, n_heads, n_columns, ...]``."""
+        if self.n_heads is None or self.cols is None:
+            return rows
+        return rows.reshape(rows.shape[0], self.n_heads, self.cols.shape[0], *rows.shape[2:])
+
+    def auto_chunk(self, n: int) -> int:
+        """The default chunk: a whole row on an accelerator; on CPU, rows cut evenly into
+        chunks of at most :data:`CPU_CHUNK_BYTES` of target values (at least
+        :data:`CPU_MIN_CHUNK` patches), so a chunk's temporaries stay in cache."""
+        if jax.default_backend() != "cpu":
+            return n
+        size = max(math.prod(s.shape) * s.dtype.itemsize for s in self.shapes.values())
+        most = max(CPU_MIN_CHUNK, CPU_CHUNK_BYTES // max(size, 1))
+        calls = -(-n // most)
+        return -(-n // calls)
 
     def chunks(self, chunk_size: int | None) -> list[tuple[Any, int]]:
-        """The columns cut into chunks of one size (the last padded): ``(chunk, used)``."""
-        if self.cols is None:
-            return [(None, 1)]
-        n = self.cols.shape[0]
-        c = n if chunk_size is None else min(chunk_size, n)
+        """The patches cut into chunks of one size (the last padded): ``(chunk, used)``."""
+        patches = self.patches()
+        if all(p is None for p in patches):
+            return [(patches, 1)]
+        n = next(p for p in patches if p is not None).shape[0]
+        c = self.auto_chunk(n) if chunk_size is None else min(chunk_size, n)
         out = []
         for start in range(0, n, c):
-            chunk = self.cols[start : start + c]
-            used = chunk.shape[0]
-            if used < c:
-                pad = jnp.repeat(chunk[-1:], c - used, axis=0)
-                chunk = jnp.concatenate([chunk, pad])
-            out.append((chunk, used))
+            used = min(c, n - start)
+
+            def cut(p: Any, start: int = start, used: int = used) -> Any:
+                chunk = p[start : start + used]
+                if used < c:
+                    pad = jnp.repeat(chunk[-1:], c - used, axis=0)
+                    chunk = jnp.concatenate([chunk, pad])
+                return chunk
+
+            out.append((tuple(None if p is None else cut(p) for p in patches), used))
         return out
 
+    def values(self) -> dict[str, Any]:
+        return {k: self.acts[k] for k in self.keys}
+
     def grid(self, chunk_size: int | None) -> Any:
-        values = {k: self.acts[k] for k in self.keys}
-        if self.cols is None:
-            return _grid(self.spec(), self.dyn, values, None)
+        chunks = self.chunks(chunk_size)
+        if all(p is None for p in chunks[0][0]):
+            return _grid(self.spec(), self.dyn, self.values(), chunks[0][0])
         parts = [
-            _grid(self.spec(), self.dyn, values, chunk)[:, :used]
-            for chunk, used in self.chunks(chunk_size)
+            _grid(self.spec(), self.dyn, self.values(), chunk)[:, :used] for chunk, used in chunks
         ]
-        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1)
+        return self.layout(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1))
 
     def compiled(self, chunk_size: int | None) -> Any:
         """The compiled program of one chunk (for its memory analysis)."""
         chunk, _ = self.chunks(chunk_size)[0]
-        values = {k: self.acts[k] for k in self.keys}
-        return _grid.lower(self.spec(), self.dyn, values, chunk).compile()
+        return _grid.lower(self.spec(), self.dyn, self.values(), chunk).compile()
 
 
 def patch_grid(
@@ -150,17 +247,26 @@ def patch_grid(
     corrupt_args: tuple[Any, ...],
     metric: Callable[[Any], Any],
     *,
-    where: Any,
+    where: Any = None,
+    ops: Any = None,
+    heads: int | None = None,
     positions: Any = "each",
     axis: int = 1,
     chunk_size: int | None = None,
 ) -> jax.Array:
     """The metric of the corrupted run with each target patched from the clean run, as a grid.
 
-    For each target call site (a row) and each patch (a column), the corrupted run
-    ``fn(*corrupt_args)`` runs with that call site's output replaced, at that patch's positions,
-    by its value in the clean run ``fn(*clean_args)``, and ``metric`` of its output is the
-    entry. Every call of a target is patched (a scanned stack's call site: every layer).
+    For each target (a row) and each patch (a column), the corrupted run ``fn(*corrupt_args)``
+    runs with that target's value replaced, at that patch's positions, by its value in the
+    clean run ``fn(*clean_args)``, and ``metric`` of its output is the entry. A target is a call
+    site's output (``where=``) or an operation's value inside a call site (``ops=``, addressed
+    as [`hx.ops`][hookax.ops] lists them: ``"layers/0/attn:dot_general#1"``, the attention's
+    per-head output). Every call of a target is patched (a scanned stack's call site: every
+    layer).
+
+    ``heads=`` names the head axis of the targets' values: each target then has one row per
+    head, and each patch replaces one head (at the column's positions), the other heads keeping
+    the corrupted run's values.
 
     The clean values are captured once; the grid is one compiled program: for each target in
     turn, ``jax.vmap`` over patches of the patched forward (what comes before the target is
@@ -175,21 +281,31 @@ def patch_grid(
       clean_args: ``fn``'s positional arguments for the clean run, a tuple.
       corrupt_args: the same for the corrupted run.
       metric: ``fn``'s output -> an array (a scalar: a logit difference, a log-probability).
-      where: the targets: a call-site key, a path glob (``"layers/*"``: every match, in call
-        order) or a list of them; ``"path:method"`` for a method other than ``__call__``.
+      where: call-site targets: a key, a path glob (``"layers/*"``: every match, in call order)
+        or a list of them; ``"path:method"`` for a method other than ``__call__``.
+      ops: operation targets: an address or a glob over them (``"layers/*/attn:dot_general#1"``:
+        every match, in program order) or a list of them; rows after ``where=``'s. Inside a
+        scanned stack, a layer suffix gives one row per layer: ``"blocks/attn[0:12]:softmax"``.
+      heads: the head axis of every target's value (e.g. ``1`` for ``(batch, heads, ...)``);
+        default None: whole values, no head axis in the grid.
       positions: ``"each"``: one column per index along ``axis``; ``None``: one patch of the
         whole output (no column axis); or an array whose leading axis lists the patches, each an
         index, indices or a boolean mask as [`hx.patching`][hookax.patching] takes them.
-      axis: the position axis of the targets' outputs.
-      chunk_size: the most patches per target one program call runs; default a whole row.
+      axis: the position axis of the targets' values.
+      chunk_size: the most patches per target one program call runs; default a whole row
+        (on CPU, rows cut evenly into chunks of at most 512 KiB of the targets' values, at
+        least 8 patches: smaller batches stay in cache).
 
     Returns:
       ``[n_targets, n_columns, *metric's shape]`` (``[n_targets, *metric's shape]`` for
-      ``positions=None``), targets in the order of ``where``.
+      ``positions=None``), targets in the order of ``where`` then ``ops``; with ``heads=``, a
+      head axis after the targets': ``[n_targets, n_heads, n_columns, ...]``.
 
     Raises:
-      SelectorError: a ``where=`` entry matched no call site (the message lists those that ran).
-      PatchError: a target whose output is not an array, or positions that do not fit it.
+      SelectorError: a ``where=`` or ``ops=`` entry matched nothing (the message lists what
+        ran).
+      PatchError: a target whose value is not an array, positions that do not fit it, or a
+        ``heads=`` axis out of range for it.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -202,8 +318,16 @@ def patch_grid(
       (1, 3)
       >>> bool(grid[0, 2] == model(clean)[0, -1, 0]), bool(grid[0, 0] == model(corrupt)[0, -1, 0])
       (True, True)
+
+      Heads: the value of an operation, one row per head (here the two features of the
+      linear layer's ``dot_general`` stand for heads):
+
+      >>> by_head = hx.patch_grid(model, (clean,), (corrupt,), lambda y: y[0, -1, 0],
+      ...                         ops="layers/0:dot_general", heads=2)
+      >>> by_head.shape                                  # (target, head, position)
+      (1, 2, 3)
     """
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise PatchError(f"{WHO}: chunk_size= takes a positive int or None, got {chunk_size!r}.")
-    plan = Plan(WHO, fn, clean_args, corrupt_args, metric, where, positions, axis)
+    plan = Plan(WHO, fn, clean_args, corrupt_args, metric, where, positions, axis, ops, heads)
     return plan.grid(chunk_size)
