@@ -72,3 +72,26 @@ def test_scoped_hooks_over_new_objects_warn():
             scale = jnp.asarray(float(i))
             with hx.hooks(forward=(lambda s: lambda m, a, out: out * s)(scale), where="layers/0"):
                 model(x)
+
+
+def test_hooks_made_inside_each_trace_are_silent():
+    """A hook created inside a jitted function over its traced arguments, traced again for
+    each value of a static argument (one compile each, as docs/patching.md's old recipe did):
+    each trace is a compile anyway, so nothing is reported."""
+    model, x = _model(), jnp.ones((1, 2))
+
+    def scale(s):  # its own code object: the warning is once per function
+        def interceptor(next_fun, args, kwargs, ctx):
+            return next_fun(*args, **kwargs) * s
+
+        return interceptor
+
+    @nnx.jit(static_argnames="k")
+    def f(model, x, v, k):
+        with hx.intercept(scale(v * k), where="layers/0"):
+            return model(x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hx.RecompileWarning)
+        for k in range(12):
+            f(model, x, jnp.ones((2,)), k=k)

@@ -119,6 +119,8 @@ def note_fresh(key: FnKey, who: str) -> None:
     code = getattr(key.fn, "__code__", None)
     if code is None:
         return
+    if _holds_tracer(key._key):
+        return  # made inside a trace (each trace is a compile anyway): the fix, not the footgun
     h, masked = key._hash, hash(_masked(key._key))
     seen = _FRESH.get(code)
     if seen is None:
@@ -176,6 +178,14 @@ def _masked(key: Any) -> Any:
     if type(key) is tuple:
         return tuple(_masked(k) for k in key)
     return key
+
+
+def _holds_tracer(key: Any) -> bool:
+    if isinstance(key, _Id):
+        from jax.core import Tracer
+
+        return isinstance(key.obj, Tracer)
+    return type(key) is tuple and any(_holds_tracer(k) for k in key)
 
 
 def _changed_cells(fn: Any) -> str:
