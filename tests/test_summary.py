@@ -534,3 +534,43 @@ def test_a_function_that_calls_the_model():
         hx.summary(forward, "f32[2,4]", "f32[2,4]")
     with pytest.raises(hx.HookaxError, match="cannot call forward"):
         hx.summary(forward, model)
+
+
+@pytest.mark.parametrize("framework", ["nnx", "equinox"])
+def test_a_private_method_is_the_root_of_its_summary(framework):
+    """A private method is no call site, but summarised it is the root: the submodules it
+    calls are keyed by their paths in the model (they were each "(model)" before)."""
+    x = jnp.ones((1, 2))
+    if framework == "nnx":
+
+        class M(nnx.Module):
+            def __init__(self):
+                self.a = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+                self.b = nnx.Linear(2, 2, rngs=nnx.Rngs(1))
+
+            def _private(self, x):
+                return self.b(self.a(x)) * 2
+
+        model = M()
+    else:
+        import equinox as eqx
+
+        class M(eqx.Module):
+            a: eqx.nn.Linear
+            b: eqx.nn.Linear
+
+            def __init__(self):
+                self.a = eqx.nn.Linear(2, 2, key=jax.random.key(0))
+                self.b = eqx.nn.Linear(2, 2, key=jax.random.key(1))
+
+            def _private(self, x):
+                return self.b(self.a(x)) * 2
+
+        model, x = M(), jnp.ones((2,))
+    s = hx.summary(model, x, method="_private")
+    assert [(r.key, r.type, r.method) for r in s.rows] == [
+        (":_private", "M", "_private"),
+        ("a", "Linear", "__call__"),
+        ("b", "Linear", "__call__"),
+    ]
+    assert s.rows[0].flops == s.totals.flops > s.rows[1].flops + s.rows[2].flops

@@ -153,6 +153,8 @@ class _Equinox:
     ) -> trace.Whole:
         import equinox as eqx
 
+        from ..frameworks import _equinox
+
         if train is not None:
             model = eqx.nn.inference_mode(model, value=not train)
         flat = trace.Flat.of((args, kwargs))
@@ -161,7 +163,9 @@ class _Equinox:
         def forward(dyn: Any, dynamic: list[Any]) -> Any:
             a, k = flat.rebuild(dynamic)
             m = eqx.combine(dyn, static)
-            return getattr(m, method)(*a, **k) if call is None else call(m, *a, **k)
+            if call is not None:
+                return call(m, *a, **k)
+            return trace.call_as_site(m, method, a, k, _equinox.ADAPTER)
 
         return trace.trace_whole(forward, (trace.abstract(dyn), flat.dynamic), _eqx_site)
 

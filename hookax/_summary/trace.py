@@ -21,6 +21,7 @@ from typing import Any
 import jax
 
 from .._engine import context as _context
+from .._engine import dispatch as _dispatch
 from .._hooks.intercept import intercept
 from .._util.specs import describe
 from . import cost
@@ -295,6 +296,14 @@ def rejection(e: BaseException) -> str | None:
     return None
 
 
+def call_as_site(module: Any, method: str, args: tuple, kwargs: dict, adapter: Any) -> Any:
+    """``module.method(*args, **kwargs)`` as a call site, also where the method is not one (a
+    private method): the summary's root row is the model, and the modules it calls are keyed
+    by their paths in it (else each would be a root of its own, keyed ``""``). A method that is
+    a call site already runs once, as ``super().method`` does."""
+    return _dispatch.call(getattr(type(module), method), method, module, args, kwargs, adapter)
+
+
 def trace_whole(
     fn: Callable[..., Any], args: tuple[Any, ...], site: Callable[..., Site | None]
 ) -> Whole:
@@ -460,6 +469,8 @@ class NNX:
     ) -> Whole:
         from flax import nnx
 
+        from ..frameworks import _nnx
+
         graphdef, state = nnx.split(model)
         flat = Flat.of((args, kwargs))
 
@@ -468,7 +479,9 @@ class NNX:
             m = nnx.merge(graphdef, state)
             if train is not None:
                 m.train() if train else m.eval()
-            return getattr(m, method)(*a, **k) if call is None else call(m, *a, **k)
+            if call is not None:
+                return call(m, *a, **k)
+            return call_as_site(m, method, a, k, _nnx.ADAPTER)
 
         return trace_whole(forward, (abstract(state), flat.dynamic), _nnx_site)
 
