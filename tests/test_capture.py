@@ -365,3 +365,23 @@ def test_exception_in_model_leaves_nothing_behind(model: MLP) -> None:
     with pytest.raises(TypeError):
         hx.capture(model)(jnp.ones((2, W + 1)))
     assert_clean(model)
+
+
+@pytest.mark.parametrize("who", ["capture", "value_and_grad"])
+def test_a_where_matching_nothing_is_reported_again_on_a_cached_trace(who):
+    """The second call of a user's jitted function reuses its cached trace, so the Python that
+    sees the call sites does not run; a capture that recorded nothing still says why (a
+    notebook cell run again after the error must not return an empty dict)."""
+    model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.Linear(3, 1, rngs=nnx.Rngs(1)))
+    f = jax.jit(lambda x: model(x).sum())
+    x = jnp.ones((1, 2))
+    run = (
+        hx.capture(f, where="layerz/*")
+        if who == "capture"
+        else hx.value_and_grad(f, where="layerz/*")
+    )
+    for _ in range(3):
+        with pytest.raises(hx.SelectorError, match=r"matched no call site.*'layers/0'"):
+            run(x)
+    # once it matches, the same function records as usual
+    assert list(hx.capture(f, where="layers/0")(x)[1]) == ["layers/0"]

@@ -474,10 +474,16 @@ def resolve_instances(where: Any, objs: Any) -> Any:
     return where
 
 
+# (who, repr(where)) -> the message of a capture that matched nothing, for a later call that
+# reuses its cached trace (the Python that would see the call sites does not run again).
+_UNMATCHED: dict[tuple[str, str], str] = {}
+
+
 def check_matched(who: str, where: Any, selector: Selector, session: Any) -> None:
     """Raise :class:`SelectorError` when ``where=`` selected nothing that ran, or a glob matched
     nothing, naming the nearest call sites that did run."""
     seen = sorted(session.seen)
+    remembered = (who, repr(where))
     if not session.matched and not getattr(session, "records", None):
         if not seen:
             if where is None:
@@ -485,11 +491,23 @@ def check_matched(who: str, where: Any, selector: Selector, session: Any) -> Non
                     f"{who}: the function called no module, so there is nothing to capture. "
                     f"Fix: pass the model, or a function that calls it: {who}(model)(x)."
                 )
-            return  # the Python did not run (a cached trace): the first call checked it
-        raise SelectorError(
+            # The Python did not run (a cached trace). A capture whose trace recorded nothing
+            # matched nothing when it traced: say so again (its caller may have caught it).
+            if hasattr(session, "records") and remembered in _UNMATCHED:
+                raise SelectorError(
+                    _UNMATCHED[remembered] + " (This call reused the cached trace of the call "
+                    "that first reported it, which recorded nothing.)"
+                )
+            return
+        message = (
             f"{who}(where={where!r}) matched no call site; those that ran include "
             f"{_nearest(str(where), seen)}. Fix: pass a where= that matches one of them."
         )
+        if len(_UNMATCHED) >= 256:
+            _UNMATCHED.pop(next(iter(_UNMATCHED)))
+        _UNMATCHED[remembered] = message
+        raise SelectorError(message)
+    _UNMATCHED.pop(remembered, None)
     if not seen:
         return
     paths = {p for _, p in seen}
