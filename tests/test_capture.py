@@ -367,21 +367,34 @@ def test_exception_in_model_leaves_nothing_behind(model: MLP) -> None:
     assert_clean(model)
 
 
-@pytest.mark.parametrize("who", ["capture", "value_and_grad"])
+@pytest.mark.parametrize(
+    "who", ["capture", "value_and_grad", "capture ops", "intercept", "intercept_op"]
+)
 def test_a_where_matching_nothing_is_reported_again_on_a_cached_trace(who):
     """The second call of a user's jitted function reuses its cached trace, so the Python that
-    sees the call sites does not run; a capture that recorded nothing still says why (a
-    notebook cell run again after the error must not return an empty dict)."""
+    sees the call sites does not run; a selection that matched nothing still says so (a notebook
+    cell run again after the error must not return an empty dict, or an unedited output)."""
     model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), nnx.Linear(3, 1, rngs=nnx.Rngs(1)))
     f = jax.jit(lambda x: model(x).sum())
     x = jnp.ones((1, 2))
-    run = (
-        hx.capture(f, where="layerz/*")
-        if who == "capture"
-        else hx.value_and_grad(f, where="layerz/*")
-    )
+
+    def intercepted(x):
+        with hx.intercept(lambda next_fun, a, k, ctx: next_fun(*a, **k) * 2, where="layerz/*"):
+            return f(x)
+
+    def op_edited(x):
+        with hx.intercept_op(lambda v, op: v * 2, ops="layers/0:nosuchop"):
+            return f(x)
+
+    run = {
+        "capture": hx.capture(f, where="layerz/*"),
+        "value_and_grad": hx.value_and_grad(f, where="layerz/*"),
+        "capture ops": hx.capture(f, ops="layers/0:nosuchop"),
+        "intercept": intercepted,
+        "intercept_op": op_edited,
+    }[who]
     for _ in range(3):
-        with pytest.raises(hx.SelectorError, match=r"matched no call site.*'layers/0'"):
+        with pytest.raises(hx.SelectorError, match=r"matched no (call site|operation)"):
             run(x)
     # once it matches, the same function records as usual
     assert list(hx.capture(f, where="layers/0")(x)[1]) == ["layers/0"]

@@ -19,7 +19,16 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._engine import dispatch as _dispatch
-from .._engine.select import Select, Selector, check_glob, split_layers, split_method
+from .._engine.select import (
+    Select,
+    Selector,
+    check_glob,
+    forget_unmatched,
+    remember_unmatched,
+    repeat_unmatched,
+    split_layers,
+    split_method,
+)
 from .._hooks import layergate as _layergate
 from .._transforms import tags as _tags
 from .._transforms.optrace import OpContext, Site, Walker, push_scope
@@ -305,8 +314,19 @@ def _label(frame: Any) -> str:
 
 def check_ops(who: str, patterns: tuple[OpPattern, ...], notes: Notes) -> None:
     """Raise :class:`SelectorError` for a pattern that matched no operation that ran."""
+    key = (who, repr(tuple(p.text for p in patterns)))
     if not notes.calls:
-        return  # nothing ran (a cached trace): the first call checked it
+        repeat_unmatched(key)  # nothing ran (a cached trace): what its trace said, if it failed
+        return
+    try:
+        _check_ops(who, patterns, notes)
+    except SelectorError as e:
+        remember_unmatched(key, str(e))
+        raise
+    forget_unmatched(key)
+
+
+def _check_ops(who: str, patterns: tuple[OpPattern, ...], notes: Notes) -> None:
     for p in patterns:
         if p.text in notes.hit:
             continue

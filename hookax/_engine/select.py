@@ -474,9 +474,29 @@ def resolve_instances(where: Any, objs: Any) -> Any:
     return where
 
 
-# (who, repr(where)) -> the message of a capture that matched nothing, for a later call that
-# reuses its cached trace (the Python that would see the call sites does not run again).
+# (who, what was asked) -> the message of a selection that matched nothing, for a later call
+# that reuses the cached trace (where the Python that would see the call sites does not run).
 _UNMATCHED: dict[tuple[str, str], str] = {}
+
+
+def remember_unmatched(key: tuple[str, str], message: str) -> None:
+    if len(_UNMATCHED) >= 256:
+        _UNMATCHED.pop(next(iter(_UNMATCHED)))
+    _UNMATCHED[key] = message
+
+
+def repeat_unmatched(key: tuple[str, str]) -> None:
+    """Raise the remembered error of ``key`` again, if its last check failed."""
+    message = _UNMATCHED.get(key)
+    if message is not None:
+        raise SelectorError(
+            message + " (Said again: no call site ran where hookax could see it, as when a "
+            "jitted function reuses the trace in which this first failed.)"
+        )
+
+
+def forget_unmatched(key: tuple[str, str]) -> None:
+    _UNMATCHED.pop(key, None)
 
 
 def check_matched(who: str, where: Any, selector: Selector, session: Any) -> None:
@@ -491,23 +511,18 @@ def check_matched(who: str, where: Any, selector: Selector, session: Any) -> Non
                     f"{who}: the function called no module, so there is nothing to capture. "
                     f"Fix: pass the model, or a function that calls it: {who}(model)(x)."
                 )
-            # The Python did not run (a cached trace). A capture whose trace recorded nothing
-            # matched nothing when it traced: say so again (its caller may have caught it).
-            if hasattr(session, "records") and remembered in _UNMATCHED:
-                raise SelectorError(
-                    _UNMATCHED[remembered] + " (This call reused the cached trace of the call "
-                    "that first reported it, which recorded nothing.)"
-                )
+            # The Python did not run (a cached trace), or no module did. A trace in which this
+            # where= matched nothing was reported when it traced; its caller may have caught
+            # the error (a notebook cell run again): say it again.
+            repeat_unmatched(remembered)
             return
         message = (
             f"{who}(where={where!r}) matched no call site; those that ran include "
             f"{_nearest(str(where), seen)}. Fix: pass a where= that matches one of them."
         )
-        if len(_UNMATCHED) >= 256:
-            _UNMATCHED.pop(next(iter(_UNMATCHED)))
-        _UNMATCHED[remembered] = message
+        remember_unmatched(remembered, message)
         raise SelectorError(message)
-    _UNMATCHED.pop(remembered, None)
+    forget_unmatched(remembered)
     if not seen:
         return
     paths = {p for _, p in seen}

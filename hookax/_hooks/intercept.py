@@ -123,8 +123,9 @@ _CHECKED: weakref.WeakSet[Entry] = weakref.WeakSet()
 @contextlib.contextmanager
 def tracked(entry: Entry, who: str, where: Any) -> Iterator[None]:
     """:func:`scoped`, raising ``SelectorError`` at the end of a block in which call sites ran
-    but ``where=`` picked none of them (nothing runs on a jit cache hit: then nothing is said)."""
-    from .._engine.select import check_matched
+    but ``where=`` picked none of them. On a jit cache hit nothing runs; a block in which no call
+    site ran says again the error of the last check of the same ``where=`` if it failed."""
+    from .._engine.select import check_matched, forget_unmatched
 
     if where is None:  # every module: nothing to check (a block may run only other methods)
         with scoped(entry):
@@ -143,7 +144,8 @@ def tracked(entry: Entry, who: str, where: Any) -> Iterator[None]:
             del _context.trackers()[entry]
     if tracker.matched:
         _CHECKED.add(entry)
-    elif tracker.seen and entry not in _CHECKED:
+        forget_unmatched((who, repr(where)))
+    elif entry not in _CHECKED:  # with nothing seen: says again what a cached trace hid
         check_matched(who, where, entry.selector, tracker)
 
 
