@@ -513,6 +513,15 @@ def test_scans_that_must_run_whole_are_not_cut():
             _trip_counts(jax.jit(f).lower(xs))
         ), name
         np.testing.assert_array_equal(jax.jit(cut_scans(f))(xs), jax.jit(f)(xs), err_msg=name)
+    # a scan with effects runs whole: every callback happens
+    seen = []
+
+    def logged(c, x):
+        jax.debug.callback(lambda x: seen.append(float(x)), x)
+        return body(c, x)
+
+    jax.block_until_ready(jax.jit(cut_scans(lambda xs: jax.lax.scan(logged, 1.0, xs)[1][1]))(xs))
+    assert seen == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
 
 
 def test_harvest_of_one_layer_of_a_linen_scan_is_cut():

@@ -155,6 +155,16 @@ def replication(args: tuple[Any, ...]) -> Any:
     )
 
 
+def _selects_layers(where: Any, ops: tuple[Any, ...]) -> bool:
+    """Whether ``where=`` or an ``ops=`` pattern names layers of a scanned stack."""
+    from .._capture.capture import _NO_SITES
+    from .._engine.select import CALL_ONLY, as_selector
+
+    if where is not _NO_SITES and as_selector(where, CALL_ONLY).has_layers():
+        return True
+    return any(p.site.has_layers() for p in ops)
+
+
 class Step:
     """The jitted step: ``step(*args) -> ({name: value}, row mask)``.
 
@@ -191,6 +201,9 @@ class Step:
         def body(f: Any, *args: Any) -> tuple[dict[str, Any], Any]:
             # Scans cut after the last layer stored: "blocks/up[2]" of a scanned stack runs
             # three layers, as XLA already stops an unrolled stack after the layer it needs.
+            # Only for a one-layer selection: the pass traces twice and inlines jit calls.
+            if not _selects_layers(where, ops):
+                return compute(f, *args)
             if not is_nnx_module(f):
                 return cut_scans(lambda *a: compute(f, *a))(*args)
             from flax import nnx

@@ -6,7 +6,8 @@ the third. :func:`cut_scans` traces a function to a jaxpr, inlines the ``jit`` c
 removes dead code, and runs every forward scan whose final carry nothing reads and whose
 stacked outputs are read only through static slices of the first ``m`` iterations as a scan of
 length ``m`` over the first ``m`` rows of its inputs. The result is the same values (the same
-body runs on the same carries), computed with the FLOPs of the cut forward.
+body runs on the same carries), computed with the FLOPs of the cut forward. A scan with effects
+(``jax.debug.print``, callbacks) runs whole: every effect happens.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def cuts(jaxpr: core.Jaxpr) -> tuple[core.Jaxpr, dict[int, int]]:
     returned = {v for v in jaxpr.outvars if isinstance(v, core.Var)}
     lengths = {}
     for i, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive.name != _SCAN or eqn.params["reverse"]:
-            continue
+        if eqn.primitive.name != _SCAN or eqn.params["reverse"] or eqn.effects:
+            continue  # a reverse scan runs its last rows first; effects must all happen
         carry = eqn.outvars[: eqn.params["num_carry"]]
         if any(v in returned or readers.get(v) for v in carry if isinstance(v, core.Var)):
             continue
