@@ -398,3 +398,16 @@ def test_a_where_matching_nothing_is_reported_again_on_a_cached_trace(who):
             run(x)
     # once it matches, the same function records as usual
     assert list(hx.capture(f, where="layers/0")(x)[1]) == ["layers/0"]
+
+
+def test_a_remembered_failure_is_said_only_for_what_failed():
+    """The error said again on a cached trace belongs to the interceptor or function that
+    failed: another interceptor with the same where=, in a block that runs no module, is
+    silent."""
+    model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+    f = jax.jit(lambda x: model(x))
+    x = jnp.ones((1, 2))
+    with pytest.raises(hx.SelectorError), hx.intercept(lambda n, a, k, c: n(*a, **k), where="mlp"):
+        f(x)
+    with hx.intercept(lambda n, a, k, c: n(*a, **k) * 2, where="mlp"):
+        jnp.ones(3) * 2  # no module runs: nothing to say

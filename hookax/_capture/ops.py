@@ -312,9 +312,10 @@ def _label(frame: Any) -> str:
     return s if frame.method == "__call__" else f"{s}:{frame.method}"
 
 
-def check_ops(who: str, patterns: tuple[OpPattern, ...], notes: Notes) -> None:
-    """Raise :class:`SelectorError` for a pattern that matched no operation that ran."""
-    key = (who, repr(tuple(p.text for p in patterns)))
+def check_ops(who: str, patterns: tuple[OpPattern, ...], notes: Notes, asker: Any = None) -> None:
+    """Raise :class:`SelectorError` for a pattern that matched no operation that ran
+    (``asker``: as :func:`hookax._engine.select.check_matched` takes it)."""
+    key = (who, repr(tuple(p.text for p in patterns)), hash(asker))
     if not notes.calls:
         repeat_unmatched(key)  # nothing ran (a cached trace): what its trace said, if it failed
         return
@@ -399,7 +400,7 @@ def _edit_block(handler: OpHandler) -> Iterator[None]:
         stack.remove(notes)
         if not stack:
             del _TRACKERS.notes[handler]
-    check_ops("hx.intercept_op", handler.patterns, notes)
+    check_ops("hx.intercept_op", handler.patterns, notes, handler)
 
 
 def named_scopes() -> contextlib.AbstractContextManager[None]:

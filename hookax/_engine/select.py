@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -474,18 +475,22 @@ def resolve_instances(where: Any, objs: Any) -> Any:
     return where
 
 
-# (who, what was asked) -> the message of a selection that matched nothing, for a later call
-# that reuses the cached trace (where the Python that would see the call sites does not run).
-_UNMATCHED: dict[tuple[str, str], str] = {}
+# (who, what was asked, a hash of who asked: the interceptor, the captured function) -> the
+# message of a selection that matched nothing, for a later call that reuses the cached trace
+# (where the Python that would see the call sites does not run). Hashes only: nothing is kept
+# alive by it.
+_UNMATCHED: dict[tuple[str, str, int], str] = {}
+_UNMATCHED_LOCK = threading.Lock()
 
 
-def remember_unmatched(key: tuple[str, str], message: str) -> None:
-    if len(_UNMATCHED) >= 256:
-        _UNMATCHED.pop(next(iter(_UNMATCHED)))
-    _UNMATCHED[key] = message
+def remember_unmatched(key: tuple[str, str, int], message: str) -> None:
+    with _UNMATCHED_LOCK:
+        if len(_UNMATCHED) >= 256:
+            _UNMATCHED.pop(next(iter(_UNMATCHED)), None)
+        _UNMATCHED[key] = message
 
 
-def repeat_unmatched(key: tuple[str, str]) -> None:
+def repeat_unmatched(key: tuple[str, str, int]) -> None:
     """Raise the remembered error of ``key`` again, if its last check failed."""
     message = _UNMATCHED.get(key)
     if message is not None:
@@ -495,15 +500,19 @@ def repeat_unmatched(key: tuple[str, str]) -> None:
         )
 
 
-def forget_unmatched(key: tuple[str, str]) -> None:
-    _UNMATCHED.pop(key, None)
+def forget_unmatched(key: tuple[str, str, int]) -> None:
+    with _UNMATCHED_LOCK:
+        _UNMATCHED.pop(key, None)
 
 
-def check_matched(who: str, where: Any, selector: Selector, session: Any) -> None:
+def check_matched(
+    who: str, where: Any, selector: Selector, session: Any, asker: Any = None
+) -> None:
     """Raise :class:`SelectorError` when ``where=`` selected nothing that ran, or a glob matched
-    nothing, naming the nearest call sites that did run."""
+    nothing, naming the nearest call sites that did run. ``asker`` (hashable: the interceptor's
+    entry, the captured function's key) tells apart what a cached trace's failure is said for."""
     seen = sorted(session.seen)
-    remembered = (who, repr(where))
+    remembered = (who, repr(where), hash(asker))
     if not session.matched and not getattr(session, "records", None):
         if not seen:
             if where is None:
