@@ -421,3 +421,26 @@ def test_a_batch_sharded_over_devices() -> None:
     # the devices run at once: each moment is shared among them, so the rows add up to the step
     total = sum(own(r) for r in p.rows) + p.other_ms + p.idle_ms
     assert total == pytest.approx(p.step_ms, rel=1e-9)
+
+
+def test_an_unrolled_scan_gives_one_row_per_call_site_and_says_so() -> None:
+    """With unroll=2, XLA runs two copies of the body, each for two of the four layers: the
+    occurrences of an operation are no layer index, so the layers are one row, with a note."""
+
+    class Unrolled(nnx.Module):
+        def __init__(self) -> None:
+            make = nnx.vmap(lambda key: Block(nnx.Rngs(key)), in_axes=0, out_axes=0)
+            self.blocks = make(jax.random.split(jax.random.key(0), 4))
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            def body(x, block):
+                return block(x)
+
+            scan = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=nnx.Carry, unroll=2)
+            return scan(x, self.blocks)
+
+    p = hx.profile(jax.jit(lambda m, x: nnx.grad(loss)(m, x)), Unrolled(), X, runs=3)
+    assert [r.key for r in p.rows] == ["", "blocks", "blocks/lin"]
+    assert all(r.layer is None for r in p.rows)
+    assert "'blocks': a scanned stack in a scan with unroll > 1" in p.notes[-1]
+    check_adds_up(p)

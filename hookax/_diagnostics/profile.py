@@ -162,8 +162,22 @@ def _compile(step: Callable[..., Any], args: tuple, kwargs: dict, log: SiteLog) 
 
     profiled.__name__ = profiled.__qualname__ = "hookax_profile"
     with scoped(Entry("ops", OpHandler("sites", log, ()), Sites(()))):
-        compiled = jax.jit(profiled).lower(*dynamic).compile()
+        traced = jax.jit(profiled).trace(*dynamic)
+        compiled = traced.lower().compile()
+    log.unrolled = _unrolled_scan(traced.jaxpr.jaxpr)
     return compiled, dynamic
+
+
+def _unrolled_scan(jaxpr: Any) -> bool:
+    """Whether a scan of ``jaxpr`` (at any depth) is unrolled: XLA then runs several copies of
+    its body, each for several iterations, and an operation's occurrences are no layer index."""
+    from jax._src import core
+
+    return any(
+        (eqn.primitive.name == "scan" and eqn.params.get("unroll", 1) not in (1, False))
+        or any(_unrolled_scan(j) for j in core.jaxprs_in_params(eqn.params))
+        for eqn in jaxpr.eqns
+    )
 
 
 def _trace(compiled: Any, dynamic: list, runs: int) -> Any:
@@ -233,6 +247,16 @@ def _table(
             f"{key!r}: a scanned stack with a loop inside its layers: its layers are not told "
             "apart (the rows inside it are all its layers together)"
         )
+    if log.unrolled:  # copies of the body, each run for several layers: no layer index
+        unrolled = {
+            p.chain[: p.scanned + 1] for p in places.values() if p.scanned is not None
+        } - merged
+        for stack in sorted(unrolled):
+            notes.append(
+                f"{log.sites[stack].key!r}: a scanned stack in a scan with unroll > 1: its "
+                "layers are not told apart (the rows inside it are all its layers together)"
+            )
+        merged |= unrolled
     own: dict[RowKey, list[float]] = {}
     depth: dict[tuple[str, ...], int | None] = {}  # chain -> depth where its scan starts
     other = [0.0, 0.0]

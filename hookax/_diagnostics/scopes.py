@@ -39,6 +39,7 @@ class SiteLog:
     def __init__(self) -> None:
         self.sites: dict[tuple[str, ...], SiteInfo] = {}
         self._trie: dict[str, Any] | None = None
+        self.unrolled = False  # whether the program holds a scan with unroll > 1
 
     def add(self, chain: tuple[str, ...], ctx: Any, in_scan: bool) -> None:
         if chain not in self.sites:
