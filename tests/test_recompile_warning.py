@@ -95,3 +95,23 @@ def test_hooks_made_inside_each_trace_are_silent():
         warnings.simplefilter("error", hx.RecompileWarning)
         for k in range(12):
             f(model, x, jnp.ones((2,)), k=k)
+
+
+def test_hooks_made_inside_each_trace_over_a_dict_of_tracers_are_silent():
+    model, x = _model(), jnp.ones((1, 2))
+
+    def scale(values):  # a dict of traced values, as a patching hook holds them
+        def interceptor(next_fun, args, kwargs, ctx):
+            return next_fun(*args, **kwargs) * values["s"]
+
+        return interceptor
+
+    @nnx.jit(static_argnames="k")
+    def f(model, x, v, k):
+        with hx.intercept(scale({"s": v * k}), where="layers/0"):
+            return model(x)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hx.RecompileWarning)
+        for k in range(12):
+            f(model, x, jnp.ones((2,)), k=k)

@@ -301,7 +301,12 @@ def call_as_site(module: Any, method: str, args: tuple, kwargs: dict, adapter: A
     private method): the summary's root row is the model, and the modules it calls are keyed
     by their paths in it (else each would be a root of its own, keyed ``""``). A method that is
     a call site already runs once, as ``super().method`` does."""
-    return _dispatch.call(getattr(type(module), method), method, module, args, kwargs, adapter)
+    import types
+
+    fn = getattr(type(module), method, None)
+    if not isinstance(fn, types.FunctionType):  # a static or class method, an attribute
+        return getattr(module, method)(*args, **kwargs)
+    return _dispatch.call(fn, method, module, args, kwargs, adapter)
 
 
 def trace_whole(

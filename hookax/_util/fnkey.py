@@ -181,10 +181,17 @@ def _masked(key: Any) -> Any:
 
 
 def _holds_tracer(key: Any) -> bool:
+    """Whether ``key`` holds a tracer, directly or in a pytree (a dict of traced values)."""
     if isinstance(key, _Id):
+        import jax
         from jax.core import Tracer
 
-        return isinstance(key.obj, Tracer)
+        obj = key.obj
+        if isinstance(obj, Tracer):
+            return True
+        if isinstance(obj, list | dict):
+            return any(isinstance(x, Tracer) for x in jax.tree.leaves(obj))
+        return False
     return type(key) is tuple and any(_holds_tracer(k) for k in key)
 
 
