@@ -58,8 +58,9 @@ def profile(
     per layer (``"blocks[0]"``, ``"blocks/lin[0]"``, ...) where the profiler reports each
     iteration's operations (as on CPU): the forward pass runs the layers in order, the backward
     pass in reverse (a scan with ``reverse=True`` is numbered from its last layer). Where it
-    cannot tell the iterations apart (a loop nested inside the layers), the scanned call site
-    and those inside it are one row each, all layers together, and the table says so.
+    cannot tell the iterations apart (a loop nested inside the layers, a scan with ``unroll``
+    above 1), the scanned call site and those inside it are one row each, all layers together,
+    and the table says so.
 
     Args:
       step: the function to profile.
