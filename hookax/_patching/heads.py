@@ -77,8 +77,8 @@ def discover_ops(fn: Any, args: tuple[Any, ...], ops: Any, who: str) -> dict[str
             if key not in out and _matches(text, key):
                 out[key] = _one_shape(key, values, who)
                 _check_unstacked(key, out[key], per_call, who)
-    if len(_SHAPES) > 64:
-        _SHAPES.clear()
+    while len(_SHAPES) >= 4:  # it holds the function's static part (a model): a few only
+        del _SHAPES[next(iter(_SHAPES))]
     _SHAPES[cache_key] = out
     return out
 
