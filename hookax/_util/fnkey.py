@@ -181,18 +181,25 @@ def _masked(key: Any) -> Any:
 
 
 def _holds_tracer(key: Any) -> bool:
-    """Whether ``key`` holds a tracer, directly or in a pytree (a dict of traced values)."""
+    """Whether ``key`` holds a tracer, directly or in a list, tuple or dict (a dict of traced
+    values, as a patching hook made inside a trace holds them)."""
     if isinstance(key, _Id):
-        import jax
-        from jax.core import Tracer
-
-        obj = key.obj
-        if isinstance(obj, Tracer):
-            return True
-        if isinstance(obj, list | dict):
-            return any(isinstance(x, Tracer) for x in jax.tree.leaves(obj))
-        return False
+        return _tracer_in(key.obj, 0)
     return type(key) is tuple and any(_holds_tracer(k) for k in key)
+
+
+def _tracer_in(obj: Any, depth: int) -> bool:
+    from jax.core import Tracer
+
+    if isinstance(obj, Tracer):
+        return True
+    if depth >= 3:
+        return False
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    if isinstance(obj, list | tuple):
+        return any(_tracer_in(x, depth + 1) for x in obj[:64])
+    return False
 
 
 def _changed_cells(fn: Any) -> str:
