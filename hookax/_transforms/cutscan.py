@@ -2,10 +2,11 @@
 
 XLA removes the layers an unrolled stack does not need, but it cannot shorten a ``lax.scan``: a
 harvest of ``"blocks/up[2]"`` of a 12-layer ``nnx.scan`` would run all 12 iterations to keep
-the third. :func:`cut_scans` traces a function to a jaxpr, inlines the ``jit`` calls in it,
-removes dead code, and runs every forward scan whose final carry nothing reads and whose
-stacked outputs are read only through static slices of the first ``m`` iterations as a scan of
-length ``m`` over the first ``m`` rows of its inputs. The result is the same values (the same
+the third. :func:`cut_scans` traces a function to a jaxpr, inlines the ``jit`` calls that hold
+a scan (the others keep their shardings and donation), removes dead code, and runs every
+forward scan whose final carry nothing reads and whose stacked outputs are read only through
+static slices of the first ``m`` iterations as a scan of length ``m`` over the first ``m`` rows
+of its inputs. The result is the same values (the same
 body runs on the same carries), computed with the FLOPs of the cut forward. A scan with effects
 (``jax.debug.print``, callbacks) runs whole: every effect happens.
 """
@@ -121,9 +122,12 @@ def _eval(
             eqn.ctx.manager,
         ):
             inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            if inline and eqn.primitive.name in _INLINE and isinstance(inner, core.ClosedJaxpr):
+            # only the jit calls on the way to a scan: the others keep their settings
+            # (shardings, donation), bound as they were
+            inline_this = inline and eqn.primitive.name in _INLINE
+            if inline_this and isinstance(inner, core.ClosedJaxpr) and _has_scan(inner.jaxpr):
                 outs = _eval(inner.jaxpr, inner.consts, invals, {}, True)
-            elif inline and eqn.primitive.name in _INLINE and isinstance(inner, core.Jaxpr):
+            elif inline_this and isinstance(inner, core.Jaxpr) and _has_scan(inner):
                 outs = _eval(inner, (), invals, {}, True)
             else:
                 params = eqn.params
