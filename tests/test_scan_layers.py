@@ -534,3 +534,21 @@ def test_harvest_of_one_layer_of_a_linen_scan_is_cut():
     assert _trip_counts(one.lower(X)) == [2]
     every = hx.capture(f, where="blocks/mlp")(params, X)[1]["blocks/mlp"][0]
     np.testing.assert_array_equal(one(X)[0]["blocks/mlp[1]"], every[1])
+
+
+def test_a_cut_keeps_the_jit_calls_that_hold_no_scan():
+    """The jit call around the scan is inlined to cut it; another keeps its own settings."""
+    from hookax._transforms.cutscan import cut_scans
+
+    xs = jnp.arange(6.0)
+    double = jax.jit(lambda y: y * 2)
+
+    def f(xs):
+        ys = jax.jit(lambda xs: jax.lax.scan(lambda c, x: (c + x, c * x), 1.0, xs)[1])(xs)
+        return double(xs) + ys[1]
+
+    jaxpr = jax.make_jaxpr(cut_scans(f))(xs).jaxpr
+    names = [e.primitive.name for e in jaxpr.eqns]
+    assert names.count("pjit") + names.count("jit") == 1  # `double`, kept as a call
+    assert [e.params["length"] for e in jaxpr.eqns if e.primitive.name == "scan"] == [2]
+    np.testing.assert_array_equal(jax.jit(cut_scans(f))(xs), jax.jit(f)(xs))
