@@ -539,7 +539,8 @@ def test_a_function_that_calls_the_model():
 @pytest.mark.parametrize("framework", ["nnx", "equinox"])
 def test_a_private_method_is_the_root_of_its_summary(framework):
     """A private method is no call site, but summarised it is the root: the submodules it
-    calls are keyed by their paths in the model (they were each "(model)" before)."""
+    calls are keyed by their paths in the model (they were each "(model)" before); the same for
+    a function that calls it, or calls the submodules itself."""
     x = jnp.ones((1, 2))
     if framework == "nnx":
 
@@ -574,3 +575,8 @@ def test_a_private_method_is_the_root_of_its_summary(framework):
         ("b", "Linear", "__call__"),
     ]
     assert s.rows[0].flops == s.totals.flops > s.rows[1].flops + s.rows[2].flops
+    # a function that calls it, or the submodules directly: the model is the root all the same
+    for fn in (lambda m, x: m._private(x), lambda m, x: m.b(m.a(x)) * 2):
+        f = hx.summary(fn, model, x)
+        assert [(r.key, r.type) for r in f.rows] == [("", "M"), ("a", "Linear"), ("b", "Linear")]
+        assert f.totals.flops == s.totals.flops and f.totals.params == s.totals.params

@@ -309,6 +309,16 @@ def call_as_site(module: Any, method: str, args: tuple, kwargs: dict, adapter: A
     return _dispatch.call(fn, method, module, args, kwargs, adapter)
 
 
+def call_through_site(model: Any, call: Any, args: tuple, kwargs: dict, adapter: Any) -> Any:
+    """``call(model, *args, **kwargs)`` (``hx.summary(fn, model, ...)``'s function) as the
+    model's root call site: whatever the function calls on the model (``model(x)``, a method, a
+    private method, a submodule directly) is keyed by its path in the model, under one root.
+    The model's own ``__call__`` inside it is that root call, seen once."""
+    return _dispatch.call(
+        lambda m, *a, **k: call(m, *a, **k), "__call__", model, args, kwargs, adapter
+    )
+
+
 def trace_whole(
     fn: Callable[..., Any], args: tuple[Any, ...], site: Callable[..., Site | None]
 ) -> Whole:
@@ -485,7 +495,7 @@ class NNX:
             if train is not None:
                 m.train() if train else m.eval()
             if call is not None:
-                return call(m, *a, **k)
+                return call_through_site(m, call, a, k, _nnx.ADAPTER)
             return call_as_site(m, method, a, k, _nnx.ADAPTER)
 
         return trace_whole(forward, (abstract(state), flat.dynamic), _nnx_site)
