@@ -384,6 +384,29 @@ def test_cli_json_forward_only_of_a_factory(capsys: Any, tmp_path: Any, monkeypa
     assert rows[1]["forward_ms"] > 0 and rows[1]["backward_ms"] == 0
 
 
+def test_cli_profiles_a_linen_factory(capsys: Any, tmp_path: Any, monkeypatch: Any) -> None:
+    """A Linen model: its variables, initialised for the inputs, are the step's argument."""
+    import json
+
+    (tmp_path / "prof_linen.py").write_text(
+        "import flax.linen as nn\n\n"
+        "class Two(nn.Module):\n"
+        "    @nn.compact\n"
+        "    def __call__(self, x):\n"
+        "        return nn.Dense(4, name='out')(nn.tanh(nn.Dense(8, name='hidden')(x)))\n\n"
+        "def make():\n"
+        "    return Two()\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    code, out, err = _run(
+        capsys, "profile", "prof_linen:make", "--input", "f32[4,8]", "--format", "json"
+    )
+    assert (code, err) == (0, "")
+    rows = {r["key"]: r for r in json.loads(out)["rows"]}
+    assert set(rows) == {"", "hidden", "out"}
+    assert rows["hidden"]["forward_ms"] > 0 and rows["hidden"]["backward_ms"] > 0
+
+
 def test_cli_errors_name_the_flags(capsys: Any) -> None:
     code, out, err = _run(capsys, "profile", "--example", "mlp", "--runs", "0")
     assert (code, out) == (2, "")

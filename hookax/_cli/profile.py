@@ -38,14 +38,22 @@ def run(args: argparse.Namespace) -> None:
 
     if args.runs < 1:
         raise UsageError(f"--runs takes a number of at least 1, got {args.runs}")
-    loaded = load_nnx_or_equinox(args, "hookax profile times")
+    loaded = load_nnx_or_equinox(args, "hookax profile times", linen=True)
     check_call(loaded)
     inputs = random_inputs(loaded.args, args.seed, loaded.int_high)
     kwargs = _concrete_kwargs(loaded.kwargs, args.seed)
     try:
-        table = profile(
-            _step(loaded.model, args.forward), loaded.model, *inputs, runs=args.runs, **kwargs
-        )
+        if _is_linen(loaded.model):  # its variables are the step's argument, as Linen runs
+            import jax
+
+            model = loaded.model
+            init = jax.jit(lambda k, *a: model.init(k, *a, **kwargs))
+            variables = init(jax.random.key(args.seed), *inputs)
+            step = _linen_step(model, args.forward)
+            table = profile(step, variables, *inputs, runs=args.runs, **kwargs)
+        else:
+            step = _step(loaded.model, args.forward)
+            table = profile(step, loaded.model, *inputs, runs=args.runs, **kwargs)
     except Exception as e:
         raise command_error(e, loaded) from None
     if args.format == "json":
@@ -54,6 +62,27 @@ def run(args: argparse.Namespace) -> None:
         from .._util.display import echo
 
         echo(table.grid())
+
+
+def _is_linen(model: Any) -> bool:
+    nn = sys.modules.get("flax.linen")
+    return nn is not None and isinstance(model, nn.Module)
+
+
+def _linen_step(model: Any, forward: bool) -> Any:
+    """A Linen model's forward pass over its variables, or the gradient with respect to them
+    of the mean square of its outputs."""
+    import jax
+
+    from .._diagnostics.gradflow import mean_square_loss
+
+    def apply(variables: Any, *a: Any, **k: Any) -> Any:
+        return model.apply(variables, *a, **k)
+
+    def loss(variables: Any, *a: Any, **k: Any) -> Any:
+        return mean_square_loss(lambda *b, **kk: apply(variables, *b, **kk), *a, **k)
+
+    return apply if forward else jax.grad(loss)
 
 
 def _step(model: Any, forward: bool) -> Any:
