@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from .._engine.select import Select, check_glob, glob_to_regex, split_layers, split_method
 from .._hooks.intercept import intercept
 from .._util.errors import SelectorError
-from .._util.specs import describe
+from .._util.specs import describe, describe_tree
 from . import compiled
 from .patch import PatchError, position_mask
 
@@ -132,15 +132,7 @@ class _Other:
     f32[1,8,32])``: a block returning ``(cache, x)``)."""
 
     def __init__(self, out: Any) -> None:
-        self.text = repr(jax.tree.map(_Leaf, out))
-
-    def __repr__(self) -> str:
-        return self.text
-
-
-class _Leaf:
-    def __init__(self, x: Any) -> None:
-        self.text = describe(x)
+        self.text = describe_tree(out)
 
     def __repr__(self) -> str:
         return self.text
