@@ -483,6 +483,37 @@ def test_grid_targets_that_match_nothing_raise_naming_them() -> None:
         hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where="layers/0", chunk_size=0)
 
 
+def test_grid_target_that_returns_a_tuple_is_refused_showing_what_it_returns() -> None:
+    # A decoder block returning (cache, x), as Gemma's does with no cache: not one array.
+    class CacheBlock(nnx.Module):
+        def __init__(self) -> None:
+            self.lin = nnx.Linear(D, D, rngs=nnx.Rngs(0))
+
+        def __call__(self, x: jax.Array) -> tuple[None, jax.Array]:
+            return None, x + self.lin(x)
+
+    class Model(nnx.Module):
+        def __init__(self) -> None:
+            self.block = CacheBlock()
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.block(x)[1]
+
+    want = (
+        rf"hx.patch_grid: call site 'block' returns \(None, f32\[{B},{T},{D}\]\), not one "
+        r"array; .* Fix: target a call site inside it that returns one array, or an operation "
+        r"with ops="
+    )
+    with pytest.raises(hx.PatchError, match=want):
+        hx.patch_grid(Model(), (CLEAN,), (CORRUPT,), metric, where="block")
+    with pytest.raises(hx.PatchError, match=want.replace("patch_grid", "attribution_patch")):
+        hx.attribution_patch(Model(), (CLEAN,), (CORRUPT,), metric, where="block")
+    model = Model()
+    grid = hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where="block/lin", positions=None)
+    assert grid.shape == (1,)  # the array inside it is a target
+    close(grid[0], metric(CORRUPT + model.block.lin(CLEAN)))
+
+
 # --- hx.attribution_patch ---------------------------------------------------------------------
 
 

@@ -442,6 +442,34 @@ def test_intercept_op_and_op_capture_of_one_layer(mode):
     )
 
 
+def test_harvest_names_each_layer_of_an_operation_and_an_input_as_one_layer_selects_it(tmp_path):
+    # The whole stack's arrays are named as the one-layer selections name them (the layer after
+    # the call site's path, not after the operation: "blocks[1]:softmax", "blocks[1]:in"), so a
+    # stored name is an address that ops=/where= take back.
+    model = AttnStack()
+    x = jnp.linspace(-1.0, 1.0, 12).reshape(3, 4)
+    kw = {"inputs": True, "progress": False}
+    every = hx.harvest(model, [x], where="blocks", ops="blocks:softmax", store=tmp_path / "a", **kw)
+    assert sorted(every.names) == sorted(
+        f"blocks[{i}]{tail}" for i in range(N) for tail in ("", ":in", ":softmax")
+    )
+    one = hx.harvest(
+        model, [x], where="blocks[1]", ops="blocks[1]:softmax", store=tmp_path / "1", **kw
+    )
+    assert sorted(one.names) == ["blocks[1]", "blocks[1]:in", "blocks[1]:softmax"]
+    for name in one.names:
+        np.testing.assert_array_equal(one.read(name), every.read(name))
+    _, probs = _attn_by_hand(model, x)
+    for i in range(N):
+        np.testing.assert_allclose(every.read(f"blocks[{i}]:softmax"), probs[i], rtol=1e-5)
+    h0 = x
+    h1 = h0 + probs[0] @ h0
+    np.testing.assert_array_equal(every.read("blocks[0]:in"), h0)
+    np.testing.assert_allclose(every.read("blocks[1]:in"), h1, rtol=1e-5, atol=1e-6)
+    _, vals = hx.capture(model, ops="blocks[3]:softmax")(x)  # the stored name selects it back
+    np.testing.assert_array_equal(vals["blocks[3]:softmax"][0], every.read("blocks[3]:softmax"))
+
+
 def _trip_counts(lowered) -> list[int]:
     return [
         int(n) for n in re.findall(r'known_trip_count":\{"n":"(\d+)"', lowered.compile().as_text())

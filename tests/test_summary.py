@@ -1,7 +1,10 @@
 """hx.summary: call-order rows, exact parameter counts, XLA FLOPs, folding, JSON, abstractness."""
 
+import warnings
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -349,6 +352,30 @@ def test_variables_listed_on_request_and_train_switch():
     assert evals["drop"] == 0 and train["drop"] > 0
     assert evals[""] < train[""]
     assert model.drop.deterministic is False  # the summary switched a copy
+
+
+def test_a_model_that_has_sown_values_is_summarised():
+    # sow keeps a tuple of the values sown in an nnx.Intermediate: counted and listed leaf by leaf.
+    class Sows(nnx.Module):
+        def __init__(self) -> None:
+            self.lin = nnx.Linear(3, 4, rngs=nnx.Rngs(0))
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            y = self.lin(x)
+            self.sow(nnx.Intermediate, "h", y)
+            return y
+
+    model = Sows()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # sow outside nnx.capture
+        model(jnp.ones((2, 3)))
+        s = hx.summary(model, "f32[2,3]", variables=True)
+    assert s.totals.params == 16
+    assert s.totals.state == (("Intermediate", 8, 32),)
+    assert s.rows[0].variables == ("h: Intermediate (f32[2,4],)",)
+    assert "Non-trainable: 8 (32 B): Intermediate 8 (32 B)" in str(s)
+    (sown,) = model.h.get_value()  # the model kept its own value: one concrete array
+    np.testing.assert_array_equal(sown, model.lin(jnp.ones((2, 3))))
 
 
 def test_memory_estimate_against_xla_memory_analysis():

@@ -32,7 +32,9 @@ class Harvest:
       store: the store's folder.
       names: the stored values' names (call-site keys; ``key#i`` for the i-th of several calls,
         ``key[i]`` for layer i of a call site inside a scan over layers, ``key[0]`` for parts
-        of a tuple output: ``key#call[layer][part]``).
+        of a tuple output: ``path[layer]:rest#call[part]``, the layer after the call site's
+        path as a one-layer selection names it: ``"blocks/attn[2]:softmax"``,
+        ``"blocks/mlp[2]:in"``).
       batches: batches in the store.
       rows: rows in each stored array.
       resumed_at: the first batch this run computed (0 unless it resumed an interrupted run).
@@ -149,7 +151,9 @@ def harvest(
     by its call-site key, with one *row* per entry of its leading ``row_axes`` axes: a ``(batch,
     seq, d)`` output with ``row_axes=2`` gives ``batch * seq`` rows of ``d`` values. A call site
     inside ``nnx.scan``/``lax.scan`` over layers, whose captured value is stacked ``(layers,
-    batch, ...)``, gives one array per layer, ``key[i]``, with the same rows. With
+    batch, ...)``, gives one array per layer, ``key[i]``, with the same rows (an operation's
+    value or an input: ``"blocks/attn[2]:softmax"``, ``"blocks/mlp[2]:in"``, the names a
+    one-layer selection gives). With
     ``while_steps=N``, a call site inside a ``lax.while_loop`` (a decode loop) gives one array per
     iteration, ``key[t]`` for ``t < N``, stacked as [`hx.capture`][hookax.capture] stacks it; rows
     of iterations the loop did not reach hold NaN, and iterations from ``N`` on are dropped (the

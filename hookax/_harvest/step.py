@@ -322,7 +322,11 @@ def leaf_specs(
         per_row = shape[k + row_axes :]
         for index in itertools.product(*map(range, shape[:k])):
             at = "".join(f"[{i}]" for i in index)
-            name = o.key + (source[len(o.key) :].removesuffix(o.part)) + at + o.part
+            # The index follows the call site's path, as a one-layer selection writes it:
+            # "blocks/attn[2]:softmax", "blocks/mlp[2]:in", then "#call" and the part.
+            site, colon, tail = o.key.partition(":")
+            call = source[len(o.key) :].removesuffix(o.part)
+            name = site + at + colon + tail + call + o.part
             leaves.append(
                 Leaf(name, o.key, o.call, o.part, per_row, str(v.dtype), source, tuple(index))
             )

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from .._engine.select import Select, check_glob, glob_to_regex, split_layers, split_method
 from .._hooks.intercept import intercept
 from .._util.errors import SelectorError
+from .._util.specs import describe, describe_tree
 from . import compiled
 from .patch import PatchError, position_mask
 
@@ -72,7 +73,9 @@ def discover(fn: Any, args: tuple[Any, ...]) -> dict[str, list[Any]]:
     ) -> Any:
         calls = found.setdefault(context.key, [])  # keys in the order their first call started
         out = next_fun(*args, **kwargs)
-        calls.append(jax.ShapeDtypeStruct(out.shape, out.dtype) if hasattr(out, "shape") else None)
+        calls.append(
+            jax.ShapeDtypeStruct(out.shape, out.dtype) if hasattr(out, "shape") else _Other(out)
+        )
         return out
 
     def run(dyn: list[Any]) -> Any:
@@ -124,13 +127,35 @@ def site_of(key: str) -> str:
     return split_layers(path)[0] + (f":{method}" if method else "")
 
 
+class _Other:
+    """A call site's output that is not one array, shown as its structure (``(None,
+    f32[1,8,32])``: a block returning ``(cache, x)``)."""
+
+    def __init__(self, out: Any) -> None:
+        self.text = describe_tree(out)
+
+    def __repr__(self) -> str:
+        return self.text
+
+
 def out_spec(key: str, found: dict[str, list[Any]], who: str) -> Any:
     """The output shape of ``key``'s first call; its calls must all have one array shape."""
     specs = found[site_of(key)]
-    if specs[0] is None or any(s is None or s.shape != specs[0].shape for s in specs):
+    fix = (
+        "Fix: target a call site inside it that returns one array, or an operation with ops= "
+        "(hx.ops lists them; a block's residual stream is its last add)."
+    )
+    other = next((s for s in specs if isinstance(s, _Other)), None)
+    if other is not None:
         raise PatchError(
-            f"{who}: call site {key!r} returns {specs}; a patching target must return arrays "
-            f"of one shape. Fix: target a call site inside it that does."
+            f"{who}: call site {key!r} returns {other!r}, not one array; a patching target's "
+            f"output must be one array. {fix}"
+        )
+    if any(s.shape != specs[0].shape for s in specs):
+        raise PatchError(
+            f"{who}: call site {key!r} returns arrays of different shapes at its calls "
+            f"({', '.join(describe(s) for s in specs)}); a patching target's output has one "
+            f"shape at every call. {fix}"
         )
     return specs[0]
 

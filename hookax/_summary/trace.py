@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -23,7 +24,7 @@ import jax
 from .._engine import context as _context
 from .._engine import dispatch as _dispatch
 from .._hooks.intercept import intercept
-from .._util.specs import describe
+from .._util.specs import describe, describe_tree
 from . import cost
 
 __all__ = [
@@ -388,10 +389,11 @@ class _Acc:
 
     def add(self, path: tuple[Any, ...], vid: int, leaf: Any, is_direct: bool) -> None:
         if vid not in self.sizes:
-            n = 1
-            for d in leaf.shape:
-                n *= int(d)
-            self.sizes[vid] = (n, cost.nbytes(leaf))
+            # A variable's value is an array, or a pytree of them (what ``sow`` keeps: a tuple
+            # of the values sown); anything without a shape counts nothing.
+            arrays = [x for x in jax.tree.leaves(leaf) if hasattr(x, "shape")]
+            n = sum(math.prod(int(d) for d in x.shape) for x in arrays)
+            self.sizes[vid] = (n, sum(cost.nbytes(x) for x in arrays))
         self.below.setdefault(path, set()).add(vid)
         if is_direct:
             self.direct.setdefault(path, set()).add(vid)
@@ -522,7 +524,7 @@ class NNX:
                 entries.append((path, _nnx_collection(node), id(node), value, is_direct))
                 if is_direct and variables:
                     name = "/".join(str(k) for k in p)
-                    mine.append(f"{name}: {type(node).__name__} {describe(value)}")
+                    mine.append(f"{name}: {type(node).__name__} {describe_tree(value)}")
             if mine:
                 own[path] = tuple(mine)
         return Collections.build(entries, own)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["DTYPES", "SpecError", "describe", "format_spec", "parse_spec"]
+__all__ = ["DTYPES", "SpecError", "describe", "describe_tree", "format_spec", "parse_spec"]
 
 # Short name -> numpy dtype name. The short names are what tables print and the CLI parses.
 DTYPES: dict[str, str] = {
@@ -84,3 +84,28 @@ def describe(x: Any) -> str:
         return format_spec(tuple(shape), dtype)
     text = repr(x)
     return text if len(text) <= 40 else text[:37] + "..."
+
+
+class _Shown:
+    """A leaf whose ``repr`` is its short description (for :func:`describe_tree`)."""
+
+    def __init__(self, x: Any) -> None:
+        self.text = describe(x)
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def describe_tree(x: Any) -> str:
+    """A pytree with each leaf described (:func:`describe`), in the tree's own notation.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> describe_tree((None, jnp.ones((1, 8), jnp.float32)))
+      '(None, f32[1,8])'
+    """
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return describe(x)
+    import jax
+
+    return repr(jax.tree.map(_Shown, x))
