@@ -30,8 +30,8 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from .failures import _TRACING_ERRORS, model_failed
 from .failures import first_line as _first_line
-from .failures import model_failed
 from .flags import call_problem, in_flags, where_error
 
 __all__ = [
@@ -353,15 +353,6 @@ def bind_linen(model: Any, inputs: tuple[Any, ...], kwargs: dict[str, Any], seed
 
     variables = jax.jit(lambda k, *a: model.init(k, *a, **kwargs))(jax.random.key(seed), *inputs)
     return model.bind(variables)
-
-
-_TRACING_ERRORS = (
-    "ConcretizationTypeError",
-    "TracerArrayConversionError",
-    "TracerBoolConversionError",
-    "TracerIntegerConversionError",
-    "UnexpectedTracerError",
-)
 
 
 def _build(build: Callable[[], Any], name: str, abstract: bool) -> Any:

@@ -31,6 +31,7 @@ def run(args: argparse.Namespace) -> None:
     from .common import (
         UsageError,
         _concrete_kwargs,
+        bind_linen,
         check_call,
         command_error,
         load_nnx_or_equinox,
@@ -44,11 +45,8 @@ def run(args: argparse.Namespace) -> None:
     kwargs = _concrete_kwargs(loaded.kwargs, args.seed)
     try:
         if _is_linen(loaded.model):  # its variables are the step's argument, as Linen runs
-            import jax
-
             model = loaded.model
-            init = jax.jit(lambda k, *a: model.init(k, *a, **kwargs))
-            variables = init(jax.random.key(args.seed), *inputs)
+            variables = bind_linen(model, inputs, kwargs, args.seed).variables
             step = _linen_step(model, args.forward)
             table = profile(step, variables, *inputs, runs=args.runs, **kwargs)
         else:
