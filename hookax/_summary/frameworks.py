@@ -163,9 +163,7 @@ class _Equinox:
         def forward(dyn: Any, dynamic: list[Any]) -> Any:
             a, k = flat.rebuild(dynamic)
             m = eqx.combine(dyn, static)
-            if call is not None:
-                return trace.call_through_site(m, call, a, k, _equinox.ADAPTER)
-            return trace.call_as_site(m, method, a, k, _equinox.ADAPTER)
+            return trace.root_call(m, method, call, a, k, _equinox.ADAPTER)
 
         return trace.trace_whole(forward, (trace.abstract(dyn), flat.dynamic), _eqx_site)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import types
 from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
@@ -297,27 +298,18 @@ def rejection(e: BaseException) -> str | None:
     return None
 
 
-def call_as_site(module: Any, method: str, args: tuple, kwargs: dict, adapter: Any) -> Any:
-    """``module.method(*args, **kwargs)`` as a call site, also where the method is not one (a
-    private method): the summary's root row is the model, and the modules it calls are keyed
-    by their paths in it (else each would be a root of its own, keyed ``""``). A method that is
-    a call site already runs once, as ``super().method`` does."""
-    import types
-
+def root_call(module: Any, method: str, call: Any, args: tuple, kwargs: dict, adapter: Any) -> Any:
+    """The summarised call, ``module.method(*args, **kwargs)`` or (``hx.summary(fn, model,
+    ...)``) ``call(module, *args, **kwargs)``, run as the model's root call site, also where
+    the method is not one (a private method): the modules it reaches are keyed by their paths
+    in the model (else each would be a root of its own, keyed ``""``). The model's own method
+    inside it is that root call, seen once, as ``super().method`` is."""
+    if call is not None:
+        return _dispatch.call(call, "__call__", module, args, kwargs, adapter)
     fn = getattr(type(module), method, None)
     if not isinstance(fn, types.FunctionType):  # a static or class method, an attribute
         return getattr(module, method)(*args, **kwargs)
     return _dispatch.call(fn, method, module, args, kwargs, adapter)
-
-
-def call_through_site(model: Any, call: Any, args: tuple, kwargs: dict, adapter: Any) -> Any:
-    """``call(model, *args, **kwargs)`` (``hx.summary(fn, model, ...)``'s function) as the
-    model's root call site: whatever the function calls on the model (``model(x)``, a method, a
-    private method, a submodule directly) is keyed by its path in the model, under one root.
-    The model's own ``__call__`` inside it is that root call, seen once."""
-    return _dispatch.call(
-        lambda m, *a, **k: call(m, *a, **k), "__call__", model, args, kwargs, adapter
-    )
 
 
 def trace_whole(
@@ -496,9 +488,7 @@ class NNX:
             m = nnx.merge(graphdef, state)
             if train is not None:
                 m.train() if train else m.eval()
-            if call is not None:
-                return call_through_site(m, call, a, k, _nnx.ADAPTER)
-            return call_as_site(m, method, a, k, _nnx.ADAPTER)
+            return root_call(m, method, call, a, k, _nnx.ADAPTER)
 
         return trace_whole(forward, (abstract(state), flat.dynamic), _nnx_site)
 
