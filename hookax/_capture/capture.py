@@ -162,16 +162,10 @@ class _Session:
             out = _tagrules.run(s, fn, *args, **kwargs)
         if s.mode == "reap":  # a differentiated run follows a measuring run that checked it
             if self.where is not _NO_SITES:
-                check_matched(s.who, self.where, self.selector, s, _asker(fn))
+                check_matched(s.who, self.where, self.selector, s, lambda: FnKey(fn))
             if self.ops:
-                _ops.check_ops(s.who, self.ops, s.op_notes, _asker(fn))
+                _ops.check_ops(s.who, self.ops, s.op_notes, lambda: FnKey(fn))
         return out
-
-
-def _asker(fn: Any) -> Any:
-    """The captured function as the key of its remembered selection errors (by value, as the
-    jit cache sees it: a new lambda per call is the same function)."""
-    return FnKey(fn)
 
 
 def check_steps(who: str, bound: int, steps: dict[str, tuple[Any, ...]]) -> None:

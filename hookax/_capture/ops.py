@@ -312,10 +312,18 @@ def _label(frame: Any) -> str:
     return s if frame.method == "__call__" else f"{s}:{frame.method}"
 
 
-def check_ops(who: str, patterns: tuple[OpPattern, ...], notes: Notes, asker: Any = None) -> None:
+def check_ops(
+    who: str,
+    patterns: tuple[OpPattern, ...],
+    notes: Notes,
+    asker: Callable[[], Any] = lambda: None,
+) -> None:
     """Raise :class:`SelectorError` for a pattern that matched no operation that ran
     (``asker``: as :func:`hookax._engine.select.check_matched` takes it)."""
-    key = (who, repr(tuple(p.text for p in patterns)), hash(asker))
+
+    def key() -> tuple[str, str, int]:
+        return (who, repr(tuple(p.text for p in patterns)), hash(asker()))
+
     if not notes.calls:
         repeat_unmatched(key)  # nothing ran (a cached trace): what its trace said, if it failed
         return
@@ -400,7 +408,7 @@ def _edit_block(handler: OpHandler) -> Iterator[None]:
         stack.remove(notes)
         if not stack:
             del _TRACKERS.notes[handler]
-    check_ops("hx.intercept_op", handler.patterns, notes, handler)
+    check_ops("hx.intercept_op", handler.patterns, notes, lambda: handler)
 
 
 def named_scopes() -> contextlib.AbstractContextManager[None]:

@@ -483,16 +483,20 @@ _UNMATCHED: dict[tuple[str, str, int], str] = {}
 _UNMATCHED_LOCK = threading.Lock()
 
 
-def remember_unmatched(key: tuple[str, str, int], message: str) -> None:
+Key = tuple[str, str, int]
+
+
+def remember_unmatched(key: Callable[[], Key], message: str) -> None:
     with _UNMATCHED_LOCK:
         if len(_UNMATCHED) >= 256:
             _UNMATCHED.pop(next(iter(_UNMATCHED)), None)
-        _UNMATCHED[key] = message
+        _UNMATCHED[key()] = message
 
 
-def repeat_unmatched(key: tuple[str, str, int]) -> None:
-    """Raise the remembered error of ``key`` again, if its last check failed."""
-    message = _UNMATCHED.get(key)
+def repeat_unmatched(key: Callable[[], Key]) -> None:
+    """Raise the remembered error of ``key()`` again, if its last check failed (``key`` is
+    computed only when something is remembered: the common path costs one truth test)."""
+    message = _UNMATCHED.get(key()) if _UNMATCHED else None
     if message is not None:
         raise SelectorError(
             message + " (Said again: no call site ran where hookax could see it, as when a "
@@ -500,19 +504,28 @@ def repeat_unmatched(key: tuple[str, str, int]) -> None:
         )
 
 
-def forget_unmatched(key: tuple[str, str, int]) -> None:
-    with _UNMATCHED_LOCK:
-        _UNMATCHED.pop(key, None)
+def forget_unmatched(key: Callable[[], Key]) -> None:
+    if _UNMATCHED:
+        with _UNMATCHED_LOCK:
+            _UNMATCHED.pop(key(), None)
 
 
 def check_matched(
-    who: str, where: Any, selector: Selector, session: Any, asker: Any = None
+    who: str,
+    where: Any,
+    selector: Selector,
+    session: Any,
+    asker: Callable[[], Any] = lambda: None,
 ) -> None:
     """Raise :class:`SelectorError` when ``where=`` selected nothing that ran, or a glob matched
-    nothing, naming the nearest call sites that did run. ``asker`` (hashable: the interceptor's
-    entry, the captured function's key) tells apart what a cached trace's failure is said for."""
+    nothing, naming the nearest call sites that did run. ``asker()`` (hashable: the
+    interceptor's entry, the captured function's key) tells apart what a cached trace's failure
+    is said for."""
     seen = sorted(session.seen)
-    remembered = (who, repr(where), hash(asker))
+
+    def remembered() -> Key:
+        return (who, repr(where), hash(asker()))
+
     if not session.matched and not getattr(session, "records", None):
         if not seen:
             if where is None:

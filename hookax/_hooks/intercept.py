@@ -144,9 +144,9 @@ def tracked(entry: Entry, who: str, where: Any) -> Iterator[None]:
             del _context.trackers()[entry]
     if tracker.matched:
         _CHECKED.add(entry)
-        forget_unmatched((who, repr(where), hash(entry)))
+        forget_unmatched(lambda: (who, repr(where), hash(entry)))
     elif entry not in _CHECKED:  # with nothing seen: says again what a cached trace hid
-        check_matched(who, where, entry.selector, tracker, entry)
+        check_matched(who, where, entry.selector, tracker, lambda: entry)
 
 
 def intercept(interceptor: Interceptor, *, where: Any = None) -> contextlib.AbstractContextManager:
