@@ -278,9 +278,8 @@ def enter_site(frame: Any, ctx: Any, entries: list[Any], fn: Callable[..., Any])
     site = Site(ctx.key, ctx.module, ctx.method, ctx.path)  # not ctx: see Site
 
     def method(module: Any, *args: Any, **kwargs: Any) -> Any:
-        from jax._src import core
-
         from .._transforms.optrace import OpTrace
+        from .._util.jaxcompat import core
 
         walker = Walker(scope, site, bound)
         with core.set_current_trace(OpTrace(core.trace_ctx.trace, walker)):
@@ -381,7 +380,7 @@ def named_softmax() -> contextlib.AbstractContextManager[Any]:
     ``custom_jvp`` function. The forward values are the same; the gradient is JAX's custom rule.
     The flag is part of JAX's jit cache key, like the active entries.
     """
-    from jax._src import config
+    from .._util.jaxcompat import config
 
     return config.softmax_custom_jvp(True)
 
@@ -513,7 +512,7 @@ class OpRow:
 
 def _spec(x: Any) -> str:
     """``"f32[2,3]"`` for an array, its abstract value's text for anything else."""
-    from jax._src import core
+    from .._util.jaxcompat import core
 
     try:
         aval: Any = core.ShapedArray(tuple(x.shape), x.dtype)

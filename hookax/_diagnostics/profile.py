@@ -172,11 +172,11 @@ def _compile(step: Callable[..., Any], args: tuple, kwargs: dict, log: SiteLog) 
 def _unrolled_scan(jaxpr: Any) -> bool:
     """Whether a scan of ``jaxpr`` (at any depth) is unrolled: XLA then runs several copies of
     its body, each for several iterations, and an operation's occurrences are no layer index."""
-    from jax._src import core
+    from .._util.jaxcompat import jaxprs_in_params
 
     return any(
         (eqn.primitive.name == "scan" and eqn.params.get("unroll", 1) not in (1, False))
-        or any(_unrolled_scan(j) for j in core.jaxprs_in_params(eqn.params))
+        or any(_unrolled_scan(j) for j in jaxprs_in_params(eqn.params))
         for eqn in jaxpr.eqns
     )
 

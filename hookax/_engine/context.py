@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-from jax._src import core as _jax_core
+
+from .._util.jaxcompat import core as _jax_core
 
 __all__ = ["ACTIVE", "Context", "Frame", "active_entries", "call_stack", "path_str"]
 

@@ -119,14 +119,14 @@ def _xla_flops(lowered: Any) -> int | None:
 
 
 def _subjaxprs(eqn: Any) -> Iterator[Any]:
-    from jax.extend.core import jaxprs_in_params
+    from .._util.jaxcompat import jaxprs_in_params
 
     yield from jaxprs_in_params(eqn.params)
 
 
 def _scan_extra(jaxpr: Any) -> int | None:
     """FLOPs XLA's count misses: ``(length - 1) x body`` for each scan, nested ones included."""
-    from jax.extend.core import jaxpr_as_fun
+    from .._util.jaxcompat import jaxpr_as_fun
 
     extra = 0
     for eqn in jaxpr.eqns:

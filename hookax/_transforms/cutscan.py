@@ -17,8 +17,15 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from jax._src import core, source_info_util
-from jax._src.interpreters import partial_eval as pe
+
+from .._util.jaxcompat import (
+    core,
+    invars_to_constvars,
+    jaxprs_in_params,
+    pe,
+    scan_counts,
+    source_info_util,
+)
 
 __all__ = ["cut_scans", "cuts"]
 
@@ -53,7 +60,7 @@ def cut_scans(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def _has_scan(jaxpr: core.Jaxpr) -> bool:
     return any(
-        eqn.primitive.name == _SCAN or any(_has_scan(j) for j in core.jaxprs_in_params(eqn.params))
+        eqn.primitive.name == _SCAN or any(_has_scan(j) for j in jaxprs_in_params(eqn.params))
         for eqn in jaxpr.eqns
     )
 
@@ -64,7 +71,7 @@ def cuts(jaxpr: core.Jaxpr) -> tuple[core.Jaxpr, dict[int, int]]:
     n_consts = len(jaxpr.constvars)
     opened = pe.convert_constvars_jaxpr(jaxpr)
     dced, _ = pe.dce_jaxpr(opened, [True] * len(opened.outvars), instantiate=True)
-    jaxpr = pe.convert_invars_to_constvars(dced, n_consts) if n_consts else dced
+    jaxpr = invars_to_constvars(dced, n_consts)
     readers: dict[core.Var, list[core.JaxprEqn]] = {}
     for eqn in jaxpr.eqns:
         for v in eqn.invars:
@@ -75,10 +82,11 @@ def cuts(jaxpr: core.Jaxpr) -> tuple[core.Jaxpr, dict[int, int]]:
     for i, eqn in enumerate(jaxpr.eqns):
         if eqn.primitive.name != _SCAN or eqn.params["reverse"] or eqn.effects:
             continue  # a reverse scan runs its last rows first; effects must all happen
-        carry = eqn.outvars[: eqn.params["num_carry"]]
+        _, n_carry, _ = scan_counts(eqn.params)
+        carry = eqn.outvars[:n_carry]
         if any(v in returned or readers.get(v) for v in carry if isinstance(v, core.Var)):
             continue
-        needed = _needed(eqn.outvars[eqn.params["num_carry"] :], readers, returned)
+        needed = _needed(eqn.outvars[n_carry:], readers, returned)
         if needed is not None and 0 < needed < eqn.params["length"]:
             lengths[i] = needed
     return jaxpr, lengths
@@ -112,8 +120,7 @@ def _eval(
     def read(v: Any) -> Any:
         return v.val if isinstance(v, core.Literal) else env[v]
 
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
+    env.update(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True))
     for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
         name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
@@ -133,7 +140,8 @@ def _eval(
                 params = eqn.params
                 if i in lengths:
                     m = lengths[i]
-                    lead = params["num_consts"] + params["num_carry"]
+                    n_consts, n_carry, _ = scan_counts(params)
+                    lead = n_consts + n_carry
                     invals = invals[:lead] + [jax.lax.slice_in_dim(x, 0, m) for x in invals[lead:]]
                     params = dict(params, length=m)
                 outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))

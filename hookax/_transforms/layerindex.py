@@ -23,13 +23,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import ad_checkpoint, ad_util, core, pjit, source_info_util
-from jax._src import linear_util as lu
-from jax._src.interpreters import ad, batching, mlir
-from jax._src.interpreters import partial_eval as pe
-from jax._src.lax.control_flow import conditionals, loops
 
 from .._util.errors import HookaxError
+from .._util.jaxcompat import (
+    ClosedJaxpr,
+    ad,
+    ad_checkpoint,
+    ad_util,
+    batching,
+    conditionals,
+    core,
+    loops,
+    lu,
+    mlir,
+    pe,
+    pjit,
+    scan_params,
+    source_info_util,
+)
 from .tagrules import _jaxprs_in
 
 __all__ = ["layer_index", "layer_index_p", "select"]
@@ -138,7 +149,7 @@ _HOLDS: weakref.WeakKeyDictionary[Any, tuple[bool, tuple[int, ...]]] = weakref.W
 
 def _holds(jaxpr: Any) -> tuple[bool, tuple[int, ...]]:
     """Whether ``jaxpr`` binds the index outside any nested scan, and the indices wanted."""
-    j = jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else jaxpr
+    j = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
     hit = _HOLDS.get(j)
     if hit is not None:
         return hit
@@ -159,9 +170,9 @@ def _holds(jaxpr: Any) -> tuple[bool, tuple[int, ...]]:
 _DEBUG = lu.DebugInfo("hookax", "<hookax layer index>", None, None)
 
 
-def _with_index(jaxpr: Any, at: int | None = None) -> core.ClosedJaxpr:
+def _with_index(jaxpr: Any, at: int | None = None) -> ClosedJaxpr:
     """``jaxpr`` with one more ``int32`` input (at ``at``, default last): the layer index."""
-    closed = core.ClosedJaxpr(jaxpr, ()) if isinstance(jaxpr, core.Jaxpr) else jaxpr
+    closed = ClosedJaxpr(jaxpr, ()) if isinstance(jaxpr, core.Jaxpr) else jaxpr
     avals = [v.aval for v in closed.jaxpr.invars]
     at = len(avals) if at is None else at
     in_avals = [*avals[:at], core.ShapedArray((), np.dtype(np.int32)), *avals[at:]]
@@ -172,10 +183,10 @@ def _with_index(jaxpr: Any, at: int | None = None) -> core.ClosedJaxpr:
         return _eval(closed.jaxpr, closed.consts, rest, idx)
 
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=_DEBUG), in_avals)
-    return core.ClosedJaxpr(jaxpr, consts)
+    return ClosedJaxpr(jaxpr, consts)
 
 
-def _open(closed: core.ClosedJaxpr) -> tuple[core.Jaxpr, list[Any]]:
+def _open(closed: ClosedJaxpr) -> tuple[core.Jaxpr, list[Any]]:
     return pe.convert_constvars_jaxpr(closed.jaxpr), list(closed.consts)
 
 
@@ -279,6 +290,5 @@ def _install() -> None:
 
 def _scan_with_iota(*args: Any, jaxpr: Any, length: int, **params: Any) -> Any:
     iota = jax.lax.iota(np.int32, length)
-    if "linear" in params:
-        params = dict(params, linear=(*params["linear"], False))
-    return loops.scan_p.bind(*args, iota, jaxpr=jaxpr, length=length, **params)
+    p = scan_params(dict(params, length=length), jaxpr, xs=1)
+    return loops.scan_p.bind(*args, iota, **p)

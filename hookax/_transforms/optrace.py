@@ -32,18 +32,24 @@ from typing import Any, cast
 
 import jax
 import numpy as np
-from jax._src import ad_checkpoint, core, pjit
-from jax._src import source_info_util as siu
-from jax._src.lax.control_flow import conditionals, loops
 
 from .._util.errors import HookaxError, HookError
+from .._util.jaxcompat import (
+    ClosedJaxpr,
+    ad_checkpoint,
+    conditionals,
+    core,
+    loops,
+    pjit,
+    scan_params,
+)
+from .._util.jaxcompat import source_info_util as siu
 from .tagrules import (
     _as_fun,
     _closed_to_consts,
     _eval,
     _in_avals,
     _restore,
-    _scan_params,
     _trace,
     while_with,
 )
@@ -406,13 +412,13 @@ def _under(f: Any, walker: Walker, *args: Any) -> Any:
         return f(*args)
 
 
-def _trace_fun(fun: Any, args: Any) -> tuple[core.ClosedJaxpr, list[tuple[Any, Any]]]:
+def _trace_fun(fun: Any, args: Any) -> tuple[ClosedJaxpr, list[tuple[Any, Any]]]:
     from .tagrules import _trace_fun as trace_fun
 
     return trace_fun(fun, args)
 
 
-def walk(closed: Any, walker: Walker) -> tuple[core.ClosedJaxpr, bool]:
+def walk(closed: Any, walker: Walker) -> tuple[ClosedJaxpr, bool]:
     """``closed`` re-traced with its operations through ``walker``; whether a handler changed
     anything in it."""
     before, walker.touched = walker.touched, False
@@ -456,7 +462,7 @@ def _scan(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:
     if not touched:
         return _bind(trace, prim, args, params)
     body, consts = _closed_to_consts(new)
-    p = _scan_params(params, body, params["num_consts"] + len(consts), len(consts), 0)
+    p = scan_params(params, body, consts=len(consts))
     return _bind(trace, prim, [*consts, *args], p)
 
 
@@ -492,7 +498,7 @@ def _while(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:
 
 
 def _remat(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:
-    new, touched = walk(core.ClosedJaxpr(params["jaxpr"], ()), trace.walker)
+    new, touched = walk(ClosedJaxpr(params["jaxpr"], ()), trace.walker)
     if not touched:
         return _bind(trace, prim, args, params)
     body, consts = _closed_to_consts(new)

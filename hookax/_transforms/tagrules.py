@@ -18,13 +18,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import ad_checkpoint, ad_util, core, pjit
-from jax._src import linear_util as lu
-from jax._src.interpreters import partial_eval as pe
-from jax._src.lax.control_flow import conditionals, loops
-from jax._src.tree_util import FlatTree
 
 from .._util.errors import HookaxError
+from .._util.jaxcompat import (
+    ClosedJaxpr,
+    ad_checkpoint,
+    ad_util,
+    conditionals,
+    core,
+    ft_flatten,
+    ft_pack,
+    loops,
+    lu,
+    pe,
+    pjit,
+    scan_params,
+)
 from .tags import _LOCAL, ForwardingTrace, Record, Session, tag_p
 
 __all__ = ["RULES", "HarvestTrace", "has_marks", "plant_jaxpr", "reap_jaxpr", "run"]
@@ -38,10 +47,10 @@ _DEBUG = lu.DebugInfo("hookax", "<hookax retrace>", None, None)
 def _jaxprs_in(params: dict) -> list[Any]:
     out = []
     for v in params.values():
-        if isinstance(v, core.ClosedJaxpr | core.Jaxpr):
+        if isinstance(v, ClosedJaxpr | core.Jaxpr):
             out.append(v)
         elif isinstance(v, tuple):
-            out.extend(x for x in v if isinstance(x, core.ClosedJaxpr | core.Jaxpr))
+            out.extend(x for x in v if isinstance(x, ClosedJaxpr | core.Jaxpr))
     return out
 
 
@@ -50,7 +59,7 @@ _MARKS: weakref.WeakKeyDictionary[Any, frozenset[int]] = weakref.WeakKeyDictiona
 
 def _sids(jaxpr: Any) -> frozenset[int]:
     """The sessions whose marks ``jaxpr`` holds, at any depth (memoized per jaxpr object)."""
-    j = jaxpr.jaxpr if isinstance(jaxpr, core.ClosedJaxpr) else jaxpr
+    j = jaxpr.jaxpr if isinstance(jaxpr, ClosedJaxpr) else jaxpr
     hit = _MARKS.get(j)
     if hit is not None:
         return hit
@@ -82,19 +91,19 @@ class Meta:
     axes: tuple[tuple[str, Any], ...]
 
 
-def _trace(fn: Callable[..., list[Any]], in_avals: list[Any]) -> core.ClosedJaxpr:
+def _trace(fn: Callable[..., list[Any]], in_avals: list[Any]) -> ClosedJaxpr:
     jaxpr, _, consts = pe.trace_to_jaxpr_dynamic(lu.wrap_init(fn, debug_info=_DEBUG), in_avals)
-    return core.ClosedJaxpr(jaxpr, consts)
+    return ClosedJaxpr(jaxpr, consts)
 
 
 def _eval(closed: Any, args: list[Any]) -> list[Any]:
-    if isinstance(closed, core.ClosedJaxpr):
+    if isinstance(closed, ClosedJaxpr):
         return core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
     return core.eval_jaxpr(closed, (), *args)
 
 
 def _in_avals(closed: Any) -> list[Any]:
-    if isinstance(closed, core.ClosedJaxpr):
+    if isinstance(closed, ClosedJaxpr):
         return list(closed.in_avals)
     return [v.aval for v in closed.invars]
 
@@ -112,10 +121,10 @@ def _cached(key: tuple, jaxpr: Any, make: Callable[[], Any]) -> Any:
     return per[key]
 
 
-def reap_jaxpr(closed: Any, session: Session) -> tuple[core.ClosedJaxpr, tuple[Meta, ...]]:
+def reap_jaxpr(closed: Any, session: Session) -> tuple[ClosedJaxpr, tuple[Meta, ...]]:
     """``closed`` with the values of ``session``'s marks appended to its outputs."""
 
-    def make() -> tuple[core.ClosedJaxpr, tuple[Meta, ...]]:
+    def make() -> tuple[ClosedJaxpr, tuple[Meta, ...]]:
         metas: list[Meta] = []
 
         def body(*args: Any) -> list[Any]:
@@ -148,11 +157,11 @@ def _unflat(flat: list[Any], like: list[list[Any]]) -> list[list[Any]]:
     return [[None if a is None else next(it) for a in ps] for ps in like]
 
 
-def plant_jaxpr(closed: Any, session: Session, metas: tuple[Meta, ...]) -> core.ClosedJaxpr:
+def plant_jaxpr(closed: Any, session: Session, metas: tuple[Meta, ...]) -> ClosedJaxpr:
     """``closed`` taking one more input per inexact leaf of each mark: added to the marked value."""
     like = _probe_avals(metas)
 
-    def make() -> core.ClosedJaxpr:
+    def make() -> ClosedJaxpr:
         n = len(_in_avals(closed))
 
         def body(*args: Any) -> list[Any]:
@@ -222,9 +231,9 @@ def _jit(trace: HarvestTrace, args: Any, params: dict) -> Any:
     return _bind(trace, pjit.jit_p, [*args, *probes], p)
 
 
-def _closed_to_consts(closed: core.ClosedJaxpr) -> tuple[core.ClosedJaxpr, list[Any]]:
+def _closed_to_consts(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[Any]]:
     """Move a closed jaxpr's constants to leading inputs (for primitives that take no consts)."""
-    return core.ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ()), list(closed.consts)
+    return ClosedJaxpr(pe.convert_constvars_jaxpr(closed.jaxpr), ()), list(closed.consts)
 
 
 def _scan(trace: HarvestTrace, args: Any, params: dict) -> Any:
@@ -232,24 +241,17 @@ def _scan(trace: HarvestTrace, args: Any, params: dict) -> Any:
     jaxpr = params["jaxpr"]
     n_out = len(jaxpr.out_avals)
     reaped, metas = reap_jaxpr(jaxpr, s)
-    nc = params["num_consts"]
     if s.mode == "reap":
         body, consts = _closed_to_consts(reaped)
-        p = _scan_params(params, body, nc + len(consts), len(consts), 0)
+        k = len(reaped.out_avals) - n_out
+        p = scan_params(params, body, consts=len(consts), ys=k)
         outs = _bind(trace, loops.scan_p, [*consts, *args], p)
         deliver(s, metas, outs[n_out:], ("scan", params["length"]))
         return outs[:n_out]
     probes = _take(s, metas)
     body, consts = _closed_to_consts(plant_jaxpr(jaxpr, s, metas))
-    p = _scan_params(params, body, nc + len(consts), len(consts), len(probes))
+    p = scan_params(params, body, consts=len(consts), xs=len(probes))
     return _bind(trace, loops.scan_p, [*consts, *args, *probes], p)
-
-
-def _scan_params(params: dict, body: Any, num_consts: int, before: int, after: int) -> dict:
-    p = dict(params, jaxpr=body, num_consts=num_consts)
-    if "linear" in params:  # older JAX versions
-        p["linear"] = (*[False] * before, *params["linear"], *[False] * after)
-    return p
 
 
 def _fill(aval: Any) -> Any:
@@ -515,7 +517,7 @@ RULES: dict[Any, Callable[..., Any]] = {
 # ---- custom derivatives and shard_map ------------------------------------------------------
 
 
-def _trace_fun(fun: Any, args: Any) -> tuple[core.ClosedJaxpr, list[tuple[Any, Any]]]:
+def _trace_fun(fun: Any, args: Any) -> tuple[ClosedJaxpr, list[tuple[Any, Any]]]:
     """Trace a custom-derivative function's body once; empty its stores, return what they held.
 
     JAX's caller reads the output tree from either the function's stores or the rule's (never
@@ -530,7 +532,7 @@ def _trace_fun(fun: Any, args: Any) -> tuple[core.ClosedJaxpr, list[tuple[Any, A
         if inner is not None and inner:
             saved.append((st, inner._val))
             st.reset()
-    return core.ClosedJaxpr(jaxpr, consts), saved
+    return ClosedJaxpr(jaxpr, consts), saved
 
 
 def _restore(saved: list[tuple[Any, Any]], rule: Any) -> None:
@@ -540,7 +542,7 @@ def _restore(saved: list[tuple[Any, Any]], rule: Any) -> None:
         st.store(val)
 
 
-def _as_fun(closed: core.ClosedJaxpr, like: Any) -> Any:
+def _as_fun(closed: ClosedJaxpr, like: Any) -> Any:
     return lu.wrap_init(core.jaxpr_as_fun(closed), debug_info=like.debug_info)
 
 
@@ -648,7 +650,7 @@ def shard_map(trace: HarvestTrace, prim: Any, fun: Any, args: Any, **params: Any
         ]
         extras = [jnp.expand_dims(v, 0) for r in child.records for v in r.values]
         data, specs = ft.unpack_aux()
-        packed = FlatTree.pack((data, FlatTree.flatten(extras)))
+        packed = ft_pack((data, ft_flatten(extras)))
         return packed.with_aux((*specs, *[spec] * len(extras)))
 
     out = trace.parent.process_shard_map(prim, body, args, **params)

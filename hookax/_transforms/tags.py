@@ -27,11 +27,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core
-from jax._src.interpreters import ad, batching, mlir
-from jax._src.interpreters import partial_eval as pe
 
 from .._util.errors import HookaxError
+from .._util.jaxcompat import ad, batching, core, mlir, pe
 
 __all__ = [
     "ForwardingTrace",

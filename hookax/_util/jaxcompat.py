@@ -1,0 +1,158 @@
+"""Every use of JAX internals, in one place, for JAX 0.10.2 through 0.12.x.
+
+hookax rewrites jaxprs (marks leave ``scan``/``cond``/``while``/``remat``/``jit`` as extra
+outputs; probes enter them as extra inputs), so it reads and rebuilds the parameters of JAX's
+higher-order primitives and runs its own traces. Those names are not public API and they move
+between releases. The rest of hookax imports them from here only:
+
+* the public ``jax.extend.core`` names where they exist on every supported release
+  (``ClosedJaxpr``, ``Jaxpr``, ``Primitive``, ``Var``, ``Literal``, ``JaxprEqn``,
+  ``jaxprs_in_params``, ``jaxpr_as_fun``);
+* the private modules (``jax._src.core``, ``partial_eval``, ...) re-exported under the names
+  hookax uses, for what has no public form;
+* one helper per thing that differs between releases: a closed jaxpr's parts
+  (:func:`closed_parts`; JAX 0.12 merged ``ClosedJaxpr`` into ``Jaxpr``, which carries its
+  constants), the counts of a scan's inputs (:func:`scan_counts`; 0.12 replaced ``num_consts``,
+  ``num_carry`` and ``linear`` by the flat trees ``ft_in``/``ft_out``), a scan with added inputs
+  or outputs (:func:`scan_params`), and the flat trees a ``shard_map`` body returns
+  (:func:`ft_pack`, :func:`ft_flatten`).
+
+A new JAX release that moves a name breaks this module only; the version table in the README
+lists the releases CI runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax._src import ad_checkpoint, ad_util, config, core, pjit, source_info_util
+from jax._src import linear_util as lu
+from jax._src.interpreters import ad, batching, mlir
+from jax._src.interpreters import partial_eval as pe
+from jax._src.lax.control_flow import conditionals, loops
+from jax.extend.core import (
+    ClosedJaxpr,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Primitive,
+    Var,
+    jaxpr_as_fun,
+    jaxprs_in_params,
+)
+
+__all__ = [
+    "JAX_VERSION",
+    "ClosedJaxpr",
+    "Jaxpr",
+    "JaxprEqn",
+    "Literal",
+    "Primitive",
+    "Tracer",
+    "Var",
+    "ad",
+    "ad_checkpoint",
+    "ad_util",
+    "batching",
+    "closed_parts",
+    "conditionals",
+    "config",
+    "core",
+    "ft_flatten",
+    "ft_pack",
+    "invars_to_constvars",
+    "jaxpr_as_fun",
+    "jaxprs_in_params",
+    "loops",
+    "lu",
+    "mlir",
+    "pe",
+    "pjit",
+    "scan_counts",
+    "scan_params",
+    "source_info_util",
+]
+
+JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3])
+
+Tracer = core.Tracer
+
+# JAX 0.12 folded ClosedJaxpr into Jaxpr: a Jaxpr carries its constants (``.consts``) and
+# ``jax.extend.core.ClosedJaxpr`` is Jaxpr itself.
+_MERGED = ClosedJaxpr is Jaxpr
+
+# JAX 0.12 describes a scan's inputs and outputs by flat trees (``ft_in``, ``ft_out``).
+try:
+    from jax._src import flattree as _ft
+except ImportError:  # JAX < 0.12
+    _ft = None
+
+
+def closed_parts(jaxpr: Any) -> tuple[Any, list[Any]]:
+    """``(open jaxpr, constants)`` of a closed or open jaxpr, for ``core.eval_jaxpr``."""
+    return getattr(jaxpr, "jaxpr", jaxpr), list(getattr(jaxpr, "consts", ()))
+
+
+def invars_to_constvars(jaxpr: Any, n: int) -> Any:
+    """``jaxpr`` with its first ``n`` inputs made constants again (undoing
+    ``pe.convert_constvars_jaxpr``); on JAX 0.12, where constants without values are plain
+    leading inputs, the jaxpr as it is."""
+    if not n or _MERGED:
+        return jaxpr
+    return pe.convert_invars_to_constvars(jaxpr, n)
+
+
+def scan_counts(params: dict) -> tuple[int, int, int]:
+    """``(consts, carry, xs)``: how many inputs of a ``scan`` equation are loop constants,
+    carries and scanned inputs (its outputs are the carries, then the stacked ``ys``)."""
+    if "ft_in" in params:
+        consts, carry, xs = params["ft_in"].unpack()
+        return len(consts), len(carry), len(xs)
+    nc, nk = params["num_consts"], params["num_carry"]
+    return nc, nk, len(params["jaxpr"].in_avals) - nc - nk
+
+
+def scan_params(
+    params: dict, jaxpr: Any, *, consts: int = 0, xs: int = 0, ys: int = 0, **changes: Any
+) -> dict:
+    """A ``scan``'s params for the body ``jaxpr``, which takes ``consts`` more loop constants
+    in front, ``xs`` more scanned inputs at the end and returns ``ys`` more stacked outputs at
+    the end; other params replaced by ``changes`` (``length=``)."""
+    p = dict(params, jaxpr=jaxpr, **changes)
+    if "ft_in" in params:
+        assert _ft is not None
+        c_g, k_g, x_g = params["ft_in"].unpack()
+        ck_g, y_g = params["ft_out"].unpack()
+        p["ft_in"] = _ft.pack((_grow(c_g, consts, front=True), k_g, _grow(x_g, xs)))
+        p["ft_out"] = _ft.pack((ck_g, _grow(y_g, ys)))
+        return p
+    p["num_consts"] = params["num_consts"] + consts
+    if "linear" in params:
+        p["linear"] = (*[False] * consts, *params["linear"], *[False] * xs)
+    return p
+
+
+def _grow(group: Any, n: int, front: bool = False) -> Any:
+    if not n:
+        return group
+    extra = _ft.nones(n)  # type: ignore[union-attr]
+    return _ft.pack((extra, group) if front else (group, extra))  # type: ignore[union-attr]
+
+
+def ft_pack(parts: tuple[Any, ...]) -> Any:
+    """A tuple of flat trees as one (``shard_map`` bodies return flat trees)."""
+    if _ft is not None:
+        return _ft.pack(parts)
+    from jax._src.tree_util import FlatTree
+
+    return FlatTree.pack(parts)
+
+
+def ft_flatten(tree: Any) -> Any:
+    """A pytree as a flat tree."""
+    if _ft is not None:
+        return _ft.flatten(tree)
+    from jax._src.tree_util import FlatTree
+
+    return FlatTree.flatten(tree)
