@@ -122,7 +122,8 @@ def current_trace() -> Any:
 
 # What JAX's traces of a scan body say they are traced for (``fori_loop`` with static bounds is
 # a scan; with traced bounds a while loop, whose lowering then reports the layer as unsupported).
-_SCAN_BODIES = frozenset({"scan", "fori_loop"})
+# "flax scan": Linen's nn.scan traces its body once to find the broadcast outputs (newer Flax)
+_SCAN_BODIES = frozenset({"scan", "fori_loop", "flax scan"})
 
 
 def _in_linen_scan_prepass() -> bool:

@@ -19,6 +19,7 @@ from typing import Any
 import jax
 
 from .._util.jaxcompat import (
+    closed_parts,
     core,
     invars_to_constvars,
     jaxprs_in_params,
@@ -132,10 +133,8 @@ def _eval(
             # only the jit calls on the way to a scan: the others keep their settings
             # (shardings, donation), bound as they were
             inline_this = inline and eqn.primitive.name in _INLINE
-            if inline_this and isinstance(inner, core.ClosedJaxpr) and _has_scan(inner.jaxpr):
-                outs = _eval(inner.jaxpr, inner.consts, invals, {}, True)
-            elif inline_this and isinstance(inner, core.Jaxpr) and _has_scan(inner):
-                outs = _eval(inner, (), invals, {}, True)
+            if inline_this and inner is not None and _has_scan(closed_parts(inner)[0]):
+                outs = _eval(*closed_parts(inner), invals, {}, True)
             else:
                 params = eqn.params
                 if i in lengths:

@@ -30,6 +30,7 @@ from .._util.jaxcompat import (
     ad,
     ad_checkpoint,
     ad_util,
+    as_closed,
     batching,
     conditionals,
     core,
@@ -172,7 +173,7 @@ _DEBUG = lu.DebugInfo("hookax", "<hookax layer index>", None, None)
 
 def _with_index(jaxpr: Any, at: int | None = None) -> ClosedJaxpr:
     """``jaxpr`` with one more ``int32`` input (at ``at``, default last): the layer index."""
-    closed = ClosedJaxpr(jaxpr, ()) if isinstance(jaxpr, core.Jaxpr) else jaxpr
+    closed = as_closed(jaxpr)
     avals = [v.aval for v in closed.jaxpr.invars]
     at = len(avals) if at is None else at
     in_avals = [*avals[:at], core.ShapedArray((), np.dtype(np.int32)), *avals[at:]]

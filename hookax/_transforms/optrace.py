@@ -37,6 +37,7 @@ from .._util.errors import HookaxError, HookError
 from .._util.jaxcompat import (
     ClosedJaxpr,
     ad_checkpoint,
+    as_closed,
     conditionals,
     core,
     loops,
@@ -498,7 +499,7 @@ def _while(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:
 
 
 def _remat(trace: OpTrace, prim: Any, args: list[Any], params: dict) -> Any:
-    new, touched = walk(ClosedJaxpr(params["jaxpr"], ()), trace.walker)
+    new, touched = walk(as_closed(params["jaxpr"]), trace.walker)
     if not touched:
         return _bind(trace, prim, args, params)
     body, consts = _closed_to_consts(new)

@@ -54,6 +54,7 @@ __all__ = [
     "ad",
     "ad_checkpoint",
     "ad_util",
+    "as_closed",
     "batching",
     "closed_parts",
     "conditionals",
@@ -92,6 +93,13 @@ except ImportError:  # JAX < 0.12
 def closed_parts(jaxpr: Any) -> tuple[Any, list[Any]]:
     """``(open jaxpr, constants)`` of a closed or open jaxpr, for ``core.eval_jaxpr``."""
     return getattr(jaxpr, "jaxpr", jaxpr), list(getattr(jaxpr, "consts", ()))
+
+
+def as_closed(jaxpr: Any) -> Any:
+    """``jaxpr`` as a closed jaxpr (an open one gets no constants)."""
+    if _MERGED or isinstance(jaxpr, ClosedJaxpr):
+        return jaxpr
+    return ClosedJaxpr(jaxpr, ())
 
 
 def invars_to_constvars(jaxpr: Any, n: int) -> Any:
