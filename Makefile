@@ -8,7 +8,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export NO_MKDOCS_2_WARNING := 1
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: demo test test-newest test-oldest test-slow test-wheel lint typecheck docs bench lock install-dev install compat
+.PHONY: demo test test-newest test-oldest test-slow test-wheel test-py312 test-py313 test-latest lint typecheck docs bench lock install-dev install compat
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3)"; exit 1; }
@@ -55,6 +55,19 @@ test-slow: $(VENV)/.installed-dev
 test-wheel: $(VENV)/.installed-dev
 	$(BIN)/nox -s wheel
 
+# The newest JAX (0.12 needs Python >= 3.12), each Python on its own lock: on 3.12 the whole
+# suite, the slow tests and the docs; on 3.13 the suite as `make test` runs it. CI runs both.
+# nox finds pyenv's 3.12 and 3.13 where they are not the global version (noxfile.py).
+test-py312: $(VENV)/.installed-dev
+	$(BIN)/nox -s py312
+
+test-py313: $(VENV)/.installed-dev
+	$(BIN)/nox -s py313
+
+# Today's releases, unlocked, on Python 3.12: what a user installing now gets (CI runs it).
+test-latest: $(VENV)/.installed-dev
+	$(BIN)/nox -s latest
+
 # The site, strict (any warning fails) and not quiet, so a warning is seen where it fails;
 # tests/test_docs_site.py checks what the pages hold (code blocks, links, images).
 docs: $(VENV)/.installed-dev
@@ -63,13 +76,19 @@ docs: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev
 	$(BIN)/python -m benchmarks
 
-# Refresh the development lock to the newest releases (run `nox -s latest` first).
+# Refresh the development locks, one per Python, to the newest releases (run `make test-latest`
+# first).
 lock: $(VENV)/.installed-dev
 	$(BIN)/python -m uv pip compile pyproject.toml --extra dev --python-version 3.11 -q \
 		--upgrade --custom-compile-command "make lock" -o requirements-dev.lock
+	$(BIN)/python -m uv pip compile pyproject.toml --extra dev --python-version 3.12 -q \
+		--upgrade --custom-compile-command "make lock" -o requirements-dev-py312.lock
+	$(BIN)/python -m uv pip compile pyproject.toml --extra dev --python-version 3.13 -q \
+		--upgrade --custom-compile-command "make lock" -o requirements-dev-py313.lock
 
 # Flax's NNX and Linen tests and Equinox's tests, without hookax, with it imported and with a no-op
 # interceptor and hooks around every test; prints a table. Slow (own venv and sources in
-# ~/.cache/hookax-compat), not part of `make test`. COMPAT_ARGS=--full runs every test file.
-compat:
-	$(PYTHON) compat/run.py $(COMPAT_ARGS)
+# ~/.cache/hookax-compat), not part of `make test`, on Python 3.11's and 3.12's locks.
+# COMPAT_ARGS=--full runs every test file.
+compat: $(VENV)/.installed-dev
+	$(BIN)/nox -s compat -- $(COMPAT_ARGS)

@@ -3,8 +3,15 @@
     nox                     # newest (locked) + oldest + wheel: what CI (.ci/run) runs
     nox -s newest           # the whole suite on requirements-dev.lock (the newest set, locked)
     nox -s oldest           # a representative subset on the lower bounds (constraints-oldest.txt)
-    nox -s latest           # the whole suite on today's releases, unlocked (Python 3.11 and 3.12)
+    nox -s py312            # the whole suite, the slow tests and the docs on Python 3.12's lock
+    nox -s py313            # the suite (not slow) on Python 3.13's lock
+    nox -s latest           # the suite on today's releases, unlocked (Python 3.12)
     nox -s wheel            # build the wheel, install it with each extra into a fresh venv, run it
+    nox -s compat           # the frameworks' own suites with hookax imported (Python 3.11, 3.12)
+
+Each Python has its lock (``make lock`` refreshes all three): ``requirements-dev.lock`` (3.11,
+the lowest supported Python, where the registry's newest JAX is 0.10), and
+``requirements-dev-py312.lock`` / ``requirements-dev-py313.lock`` (JAX 0.12 needs Python >= 3.12).
 
 Sessions reuse their virtualenvs (under .nox/) and install with uv when it is there, so a second
 run spends its time in the tests, not in installing.
@@ -14,7 +21,9 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -25,6 +34,39 @@ nox.options.reuse_venv = "yes"
 nox.options.sessions = ["newest", "oldest", "slow", "oldest-slow", "wheel"]
 
 PYTHON = "3.11"
+LOCKS = {
+    "3.11": "requirements-dev.lock",
+    "3.12": "requirements-dev-py312.lock",
+    "3.13": "requirements-dev-py313.lock",
+}
+
+
+def _pyenv_pythons() -> None:
+    """Make every installed Python 3.11-3.13 reachable as ``python3.X`` where pyenv manages them.
+
+    pyenv's shims run only the versions ``PYENV_VERSION`` (or ``pyenv global``) names, so on a
+    machine whose global version is 3.11, ``python3.12`` fails although 3.12 is installed. The
+    global version stays first (``python3`` is unchanged); a ``PYENV_VERSION`` already set wins.
+    """
+    if "PYENV_VERSION" in os.environ or shutil.which("pyenv") is None:
+        return
+    try:
+        first = subprocess.run(
+            ["pyenv", "global"], capture_output=True, text=True, check=True
+        ).stdout.split()
+        bare = subprocess.run(
+            ["pyenv", "versions", "--bare"], capture_output=True, text=True, check=True
+        ).stdout.split()
+    except (OSError, subprocess.CalledProcessError):
+        return
+    found = [v for v in bare if re.fullmatch(r"3\.1[123]\.\d+", v)]
+    found.sort(key=lambda v: tuple(map(int, v.split("."))))
+    newest = {v.rsplit(".", 1)[0]: v for v in found}  # the highest patch of each minor
+    names = [*first, *(v for v in newest.values() if v not in first)]
+    os.environ["PYENV_VERSION"] = ":".join(names)
+
+
+_pyenv_pythons()
 ENV = {
     "XLA_FLAGS": os.environ.get("XLA_FLAGS", "--xla_force_host_platform_device_count=8"),
     "UV_PYTHON_DOWNLOADS": "never",  # use the machine's Python; never fetch one
@@ -99,14 +141,59 @@ def oldest_slow(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-q", *WORKERS, *warnings, *args, env=ENV)
 
 
-@nox.session(python=[PYTHON, "3.12"])
-def latest(session: nox.Session) -> None:
-    """The whole suite on the newest releases, unlocked: run it before refreshing the lock.
+def _locked(session: nox.Session) -> None:
+    """Install the lock of the session's Python and hookax (editable, no dependencies)."""
+    session.install("-r", LOCKS[str(session.python)])
+    session.install("--no-deps", "-e", ".")
 
-    On Python 3.12 the registry serves newer JAX and Flax than on 3.11 (JAX 0.12 dropped 3.11).
-    """
+
+@nox.session(python="3.12")
+def py312(session: nox.Session) -> None:
+    """Python 3.12 with its lock (the newest JAX, Flax and Equinox): the whole suite, the tests
+    marked ``slow``, and the docs site, strict."""
+    _locked(session)
+    if session.posargs:
+        session.run("python", "-m", "pytest", "-q", *WORKERS, *session.posargs, env=ENV)
+        return
+    session.run("python", "-m", "pytest", "-q", *WORKERS, "-m", "not slow", env=ENV)
+    session.run("python", "-m", "pytest", "-q", *WORKERS, "-m", "slow", env=ENV)
+    site = tempfile.mkdtemp(prefix="hookax-site-")
+    try:
+        session.run("mkdocs", "build", "--strict", "-q", "--site-dir", site, env=ENV)
+    finally:
+        shutil.rmtree(site, ignore_errors=True)
+
+
+@nox.session(python="3.13")
+def py313(session: nox.Session) -> None:
+    """Python 3.13 with its lock: the suite as ``make test`` runs it (not the slow tests)."""
+    _locked(session)
+    args = session.posargs or ["-m", "not slow"]
+    session.run("python", "-m", "pytest", "-q", *WORKERS, *args, env=ENV)
+
+
+@nox.session(python="3.12")
+def latest(session: nox.Session) -> None:
+    """The suite on today's releases, unlocked (what a user who installs hookax now gets): a
+    new JAX, Flax or Equinox release that breaks hookax fails here the day it appears. Run it
+    before refreshing the locks (``make lock``)."""
     session.install("--upgrade", "-e", ".[test]")
-    session.run("python", "-m", "pytest", "-q", *session.posargs, env=ENV)
+    session.run("python", "-c", _VERSIONS)
+    args = session.posargs or ["-m", "not slow"]
+    session.run("python", "-m", "pytest", "-q", *WORKERS, *args, env=ENV)
+
+
+_VERSIONS = (
+    "import sys, jax, flax, equinox; print('python', sys.version.split()[0], 'jax', "
+    "jax.__version__, 'flax', flax.__version__, 'equinox', equinox.__version__)"
+)
+
+
+@nox.session(python=[PYTHON, "3.12"])
+def compat(session: nox.Session) -> None:
+    """The frameworks' own test suites with hookax imported (``compat/run.py``), on the
+    frameworks of the session's lock."""
+    session.run("python", "compat/run.py", "--lock", LOCKS[str(session.python)], *session.posargs)
 
 
 @nox.session(python=PYTHON, venv_backend="none")

@@ -43,6 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("HOOKAX_COMPAT_CACHE", Path.home() / ".cache" / "hookax-compat"))
+# Results of each Python apart (its lock's frameworks differ).
+RESULTS = CACHE / f"results-py{sys.version_info[0]}{sys.version_info[1]}"
 WAYS = ("plain", "imported", "scoped")
 TEST_DEPS = (
     "pytest",
@@ -88,10 +90,11 @@ SELECTION = {
 }
 
 
-def pins() -> dict[str, str]:
-    """The versions of jax, jaxlib, flax and equinox in the development lock (the newest set)."""
+def pins(lock: str = "requirements-dev.lock") -> dict[str, str]:
+    """The versions of jax, jaxlib, flax and equinox in a development lock (the newest set of
+    one Python: ``requirements-dev.lock`` for 3.11, ``requirements-dev-py312.lock``, ...)."""
     found = {}
-    for line in (ROOT / "requirements-dev.lock").read_text().splitlines():
+    for line in (ROOT / lock).read_text().splitlines():
         m = re.fullmatch(r"(jax|jaxlib|flax|equinox)==([\w.]+)", line.strip())
         if m:
             found[m.group(1)] = m.group(2)
@@ -105,7 +108,7 @@ def run(cmd: list[str], **kw: object) -> None:
 
 def venv(versions: dict[str, str]) -> Path:
     """The cached virtual environment with the pinned frameworks and the test dependencies."""
-    env = CACHE / "venv"
+    env = CACHE / f"venv-py{sys.version_info[0]}{sys.version_info[1]}"
     stamp = env / "hookax-compat.json"
     want = {"pins": versions, "deps": list(TEST_DEPS)}
     if stamp.exists() and json.loads(stamp.read_text()) == want:
@@ -212,7 +215,7 @@ def run_suite(
 
 def _calls(suite: str, way: str) -> str:
     """How many calls the no-op interceptor saw: the proof that hookax was in the way."""
-    stats = CACHE / "results" / f"{suite}-{way}-stats.json"
+    stats = RESULTS / f"{suite}-{way}-stats.json"
     if way != "scoped" or not stats.exists():
         return "-"
     return str(json.loads(stats.read_text())["intercepted"])
@@ -248,11 +251,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ways", default=",".join(WAYS))
     parser.add_argument("--files", help="comma-separated file names instead of the selection")
     parser.add_argument(
+        "--lock",
+        default="requirements-dev.lock",
+        help="the lock whose jax, flax and equinox to test (requirements-dev-py312.lock on 3.12)",
+    )
+    parser.add_argument(
         "--report", action="store_true", help="only print the table of the last runs' results"
     )
     args = parser.parse_args(argv)
-    versions = pins()
-    out = CACHE / "results"
+    versions = pins(args.lock)
+    out = RESULTS
     if args.report:
         results = {
             suite: {
