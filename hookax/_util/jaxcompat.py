@@ -23,6 +23,7 @@ lists the releases CI runs.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import jax
@@ -84,8 +85,9 @@ Tracer = core.Tracer
 _MERGED = ClosedJaxpr is Jaxpr
 
 # JAX 0.12 describes a scan's inputs and outputs by flat trees (``ft_in``, ``ft_out``).
+_ft: Any
 try:
-    from jax._src import flattree as _ft
+    _ft = importlib.import_module("jax._src.flattree")
 except ImportError:  # JAX < 0.12
     _ft = None
 
@@ -144,8 +146,8 @@ def scan_params(
 def _grow(group: Any, n: int, front: bool = False) -> Any:
     if not n:
         return group
-    extra = _ft.nones(n)  # type: ignore[union-attr]
-    return _ft.pack((extra, group) if front else (group, extra))  # type: ignore[union-attr]
+    extra = _ft.nones(n)
+    return _ft.pack((extra, group) if front else (group, extra))
 
 
 def ft_pack(parts: tuple[Any, ...]) -> Any:
