@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
+import warnings
 from typing import Any
 
 __all__ = ["OpEvent", "Run", "op_names", "read_runs"]
@@ -112,6 +113,15 @@ def _stat(stats: Any, name: str) -> Any:
     return None
 
 
+def _stats(event: Any) -> list[Any]:
+    """An event's ``(name, value)`` stats. jaxlib 0.12 builds their type on first use with a
+    DeprecationWarning; under ``-W error`` (pytest's ``filterwarnings = error``) that warning
+    aborts the interpreter, so it is silenced here."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return list(event.stats)
+
+
 def read_runs(data: Any, module: str, runs: int) -> list[Run]:
     """The ``runs`` runs of ``module`` in a ``jax.profiler.ProfileData``, in time order: told
     apart by the events' ``run_id``, or where they carry none, by the longest gaps between
@@ -124,7 +134,7 @@ def read_runs(data: Any, module: str, runs: int) -> list[Run]:
         for line in plane.lines:
             line_id += 1
             for e in line.events:
-                stats = list(e.stats)
+                stats = _stats(e)
                 op = _stat(stats, "hlo_op")
                 if op is None or _stat(stats, "hlo_module") != module:
                     continue
