@@ -15,6 +15,7 @@ import warnings
 from typing import Any
 
 import equinox as eqx
+import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -625,6 +626,12 @@ def test_nnx_variables_as_inputs_of_operations() -> None:
         optimizer.update(model, grads)
         return loss
 
+    try:  # the example as Flax 0.12.8 wrote it; newer Flax wants ref=True variables, which
+        # JAX 0.12's grad refuses: it does not run there even without hookax
+        with jax.numpy_dtype_promotion("standard"):
+            train_step(x)
+    except (flax.errors.ImmutableVariableError, TypeError) as e:
+        pytest.skip(f"Flax's mutable-array example does not run on this Flax and JAX: {e}")
     seen: list[hx.OpContext] = []
     with (
         jax.numpy_dtype_promotion("standard"),  # optax's adam mixes Python floats and int32

@@ -40,6 +40,7 @@ from .._util.jaxcompat import (
     as_closed,
     conditionals,
     core,
+    jit_inlined,
     loops,
     pjit,
     scan_params,
@@ -327,7 +328,7 @@ class OpTrace(ForwardingTrace):
         if (
             rule is not None
             and prim is pjit.jit_p
-            and (params.get("inline") or name == w.within_name())
+            and (jit_inlined(params) or name == w.within_name())
         ):
             # jax.numpy's functions are jitted with inline=True: they are inlined into the
             # program (no unit), so their primitives are the operations. A jit directly inside

@@ -21,6 +21,7 @@ a model all deliver.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 from typing import Any
 
@@ -128,8 +129,31 @@ def _tag_batch(axis_data: Any, args: Any, dims: Any, **params: Any) -> Any:
 batching.fancy_primitive_batchers[tag_p] = _tag_batch
 
 
-def _tag_dce(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
+def _in_linen_broadcast_dce() -> bool:
+    """Whether this dead-code removal is the one Linen's ``nn.scan`` runs on its body's
+    broadcast pre-pass (``pe.dce_jaxpr`` called by ``scan_fn`` in ``flax/core/axes_scan.py``)."""
+    f: Any = sys._getframe(1)
+    while f is not None:
+        back = f.f_back
+        if (
+            f.f_code.co_name == "dce_jaxpr"
+            and back is not None
+            and back.f_code.co_name == "scan_fn"
+            and back.f_code.co_filename.endswith("axes_scan.py")
+        ):
+            return True
+        f = back
+    return False
+
+
+def _tag_dce(used_outputs: list[bool], *args: Any) -> tuple[list[bool], Any]:
     # A mark is kept even when its output is unused: the call site ran, so it must be delivered.
+    # (JAX 0.12 passes the live inputs before the equation.) Except in Linen's nn.scan pre-pass,
+    # which (on newer Flax) traces the body, removes dead code and refuses any input still
+    # used: that pass only finds the broadcast outputs, the scan itself runs (and marks) after.
+    eqn = args[-1]
+    if not any(used_outputs) and _in_linen_broadcast_dce():
+        return [False] * len(eqn.invars), None
     return [True] * len(eqn.invars), eqn
 
 

@@ -66,6 +66,7 @@ __all__ = [
     "invars_to_constvars",
     "jaxpr_as_fun",
     "jaxprs_in_params",
+    "jit_inlined",
     "loops",
     "lu",
     "mlir",
@@ -111,6 +112,14 @@ def invars_to_constvars(jaxpr: Any, n: int) -> Any:
     if not n or _MERGED:
         return jaxpr
     return pe.convert_invars_to_constvars(jaxpr, n)
+
+
+def jit_inlined(params: dict) -> bool:
+    """Whether a ``jit`` equation is inlined into the enclosing jaxpr while tracing (jax.numpy's
+    own functions): ``inline=True`` before JAX 0.12, ``Inline.JAX_EARLY`` since (whose other
+    values, ``AUTO`` included, keep the call)."""
+    inline = params.get("inline")
+    return inline is True or getattr(inline, "value", None) == "jax_early"
 
 
 def scan_counts(params: dict) -> tuple[int, int, int]:
