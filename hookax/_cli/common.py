@@ -241,13 +241,35 @@ def _warn_64_bit(specs: list[Any]) -> None:
     from .._util.specs import describe
 
     for spec in specs:
-        dtype = getattr(spec, "dtype", None)
-        if getattr(dtype, "itemsize", 0) == 8 and getattr(dtype, "kind", "x") in "fiuc":
+        if _is_64_bit(spec):
             print(
                 f"hookax: warning: input {describe(spec)} asks for 64-bit values but JAX runs "
                 "without x64, so it is traced as 32-bit; set JAX_ENABLE_X64=1 to keep 64 bits",
                 file=sys.stderr,
             )
+
+
+def _is_64_bit(spec: Any) -> bool:
+    dtype = getattr(spec, "dtype", None)
+    return getattr(dtype, "itemsize", 0) == 8 and getattr(dtype, "kind", "x") in "fiuc"
+
+
+def _as_32_bit(tree: Any) -> Any:
+    """Without x64, 64-bit input specs as the 32-bit ones JAX traces (said by
+    :func:`_warn_64_bit`; JAX 0.12 also warns for each, an error under ``-W error``)."""
+    import jax
+    import jax.numpy as jnp
+
+    if jax.config.read("jax_enable_x64"):
+        return tree
+
+    def narrow(x: Any) -> Any:
+        if isinstance(x, jax.ShapeDtypeStruct) and _is_64_bit(x):
+            dtype = {"f": jnp.float32, "i": jnp.int32, "u": jnp.uint32, "c": jnp.complex64}
+            return jax.ShapeDtypeStruct(x.shape, dtype[x.dtype.kind])
+        return x
+
+    return jax.tree.map(narrow, tree)
 
 
 def load_model(args: argparse.Namespace, *, abstract: bool) -> LoadedModel:
@@ -278,6 +300,7 @@ def load_model(args: argparse.Namespace, *, abstract: bool) -> LoadedModel:
         inputs = _inputs(args, None)
         name, int_high = args.factory, 2
     _warn_64_bit([*inputs, *jax.tree.leaves(kwargs)])
+    inputs, kwargs = _as_32_bit((inputs, kwargs))
     model = _build(build, name, abstract)
     from .._engine.adapters import adapter_for
 
