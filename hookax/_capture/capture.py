@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._engine import adapters as _adapters
 from .._engine.select import (
     ALL_METHODS,
     CALL_ONLY,
@@ -244,6 +245,22 @@ def session(
     return _Session(inner, selector, where, ops, inputs, marker)
 
 
+# Linen's methods that take the variables: called on an unbound module, as they must be.
+_LINEN_ENTRY_POINTS = frozenset({"apply", "init", "init_with_output", "lazy_init"})
+
+
+def check_variables(who: str, fn: Any) -> None:
+    """Refuse an unbound Linen module as ``fn`` (or a method of one, but ``model.apply``),
+    saying how to give it its variables (Flax's own error names neither the call nor the fix).
+    Only ``fn`` itself: a function may bind a module it closes over or takes."""
+    objs = [fn]
+    if getattr(fn, "__name__", None) not in _LINEN_ENTRY_POINTS:
+        objs.append(getattr(fn, "__self__", None))
+    unbound = _adapters.unbound_linen(objs)
+    if unbound is not None:
+        raise _adapters.linen_needs_variables(who, unbound)
+
+
 def where_and_ops(where: Any, ops: Any, who: str) -> tuple[Any, tuple[Any, ...]]:
     """``where=`` (its default: every call site, or none when ``ops=`` is given) and the
     parsed ``ops=`` patterns; malformed ones raise here, before the first call."""
@@ -445,6 +462,7 @@ def capture(
         hit = _jitted.lookup(fn, raw)
         if hit is not None:
             return _forward(fn, hit, while_steps)
+    check_variables("hx.capture", fn)
     where, patterns = where_and_ops(where, ops, "hx.capture")  # malformed ones raise here
     bound = validate_while_steps(while_steps, "hx.capture")
 
