@@ -457,7 +457,9 @@ def capture(
             "hx.capture(lambda x: model(x))(x)."
         )
     kind = _jitted.jit_kind(fn)
-    raw = ("raw", where, ops, while_steps, type(while_steps), bool(inputs))
+    # A list where= as a tuple (the same selection), so a capture made anew per step finds it.
+    listed = tuple(where) if isinstance(where, list) else where
+    raw = ("raw", listed, ops, while_steps, type(while_steps), bool(inputs))
     if kind is not None:  # a capture made anew per step: found without parsing its arguments
         hit = _jitted.lookup(fn, raw)
         if hit is not None:
@@ -508,7 +510,7 @@ def _by_value(where: Any) -> bool:
     instance is found among them on each call)."""
     if where is None or where is _NO_SITES or isinstance(where, str | type | Select):
         return True
-    return isinstance(where, tuple | list) and all(isinstance(w, type) for w in where)
+    return isinstance(where, tuple | list) and all(_by_value(w) for w in where)
 
 
 def roots(fn: Any) -> Iterator[Any]:

@@ -178,7 +178,7 @@ class Plan:
         self.keys, self.shapes = [], {}
         if where is not None:
             found = targets.discover(fn, corrupt_args)
-            self.keys = targets.expand(targets.parse(where, who), found, who)
+            self.keys = targets.where_keys(where, fn, corrupt_args, found, who)
             self.shapes = {k: targets.out_spec(k, found, who) for k in self.keys}
         op_shapes = {} if ops is None else discover_ops(fn, corrupt_args, ops, who)
         self.ops = [k for k in op_shapes if k not in self.shapes]
