@@ -228,7 +228,7 @@ def test_glob_double_star_across_segments():
     assert rec.keys == ["blocks/lin"]
 
 
-@pytest.mark.parametrize("bad", [3, ["a"], object()])
+@pytest.mark.parametrize("bad", [3, ["a", 3], object()])
 def test_bad_selector_raises(bad):
     with pytest.raises(hx.SelectorError, match=r"where= must be None, a class.*got"):
         hx.intercept(Recorder(), where=bad)

@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from .._engine import adapters as _adapters
 from .._transforms import tags as _tags
 from .._util.errors import HookaxError
 from . import capture as _capture
@@ -205,6 +206,9 @@ def value_and_grad(
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, dict[str, tuple[Any, ...]]]:
         nums_pos = _positions(nums, argnums, args)
+        linen = next((args[n] for n in nums_pos if _adapters.is_linen(args[n])), None)
+        if linen is not None:  # bound or not, a Linen module is no pytree to differentiate
+            raise _adapters.linen_needs_variables(WHO, linen)
         mode = _mode(fn, args, kwargs, nums_pos)
         # 1. which call sites run, with their output specs (an abstract trace)
         records, order = _discover(fn, where, patterns, mode, args, kwargs)

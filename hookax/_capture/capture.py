@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._engine import adapters as _adapters
 from .._engine.select import (
     ALL_METHODS,
     CALL_ONLY,
@@ -244,6 +245,22 @@ def session(
     return _Session(inner, selector, where, ops, inputs, marker)
 
 
+# Linen's methods that take the variables: called on an unbound module, as they must be.
+_LINEN_ENTRY_POINTS = frozenset({"apply", "init", "init_with_output", "lazy_init"})
+
+
+def check_variables(who: str, fn: Any) -> None:
+    """Refuse an unbound Linen module as ``fn`` (or a method of one, but ``model.apply``),
+    saying how to give it its variables (Flax's own error names neither the call nor the fix).
+    Only ``fn`` itself: a function may bind a module it closes over or takes."""
+    objs = [fn]
+    if getattr(fn, "__name__", None) not in _LINEN_ENTRY_POINTS:
+        objs.append(getattr(fn, "__self__", None))
+    unbound = _adapters.unbound_linen(objs)
+    if unbound is not None:
+        raise _adapters.linen_needs_variables(who, unbound)
+
+
 def where_and_ops(where: Any, ops: Any, who: str) -> tuple[Any, tuple[Any, ...]]:
     """``where=`` (its default: every call site, or none when ``ops=`` is given) and the
     parsed ``ops=`` patterns; malformed ones raise here, before the first call."""
@@ -440,11 +457,14 @@ def capture(
             "hx.capture(lambda x: model(x))(x)."
         )
     kind = _jitted.jit_kind(fn)
-    raw = ("raw", where, ops, while_steps, type(while_steps), bool(inputs))
+    # A list where= as a tuple (the same selection), so a capture made anew per step finds it.
+    listed = tuple(where) if isinstance(where, list) else where
+    raw = ("raw", listed, ops, while_steps, type(while_steps), bool(inputs))
     if kind is not None:  # a capture made anew per step: found without parsing its arguments
         hit = _jitted.lookup(fn, raw)
         if hit is not None:
             return _forward(fn, hit, while_steps)
+    check_variables("hx.capture", fn)
     where, patterns = where_and_ops(where, ops, "hx.capture")  # malformed ones raise here
     bound = validate_while_steps(while_steps, "hx.capture")
 
@@ -490,7 +510,7 @@ def _by_value(where: Any) -> bool:
     instance is found among them on each call)."""
     if where is None or where is _NO_SITES or isinstance(where, str | type | Select):
         return True
-    return isinstance(where, tuple | list) and all(isinstance(w, type) for w in where)
+    return isinstance(where, tuple | list) and all(_by_value(w) for w in where)
 
 
 def roots(fn: Any) -> Iterator[Any]:

@@ -135,7 +135,9 @@ def ops(fn: Callable[..., Any], *args: Any, where: Any = None, **kwargs: Any) ->
     """
     from .._hooks.intercept import Entry, tracked
     from .actgrad import eval_shape, framework_mode, is_nnx_module
+    from .capture import check_variables
 
+    check_variables("hx.ops", fn)
     listing = Listing()
     selector = as_selector(resolve_instances(where, (fn, args, kwargs)), CALL_ONLY)
     handler = OpHandler("list", listing, (OpPattern("**:*#*", selector, "*", None),))

@@ -352,12 +352,9 @@ def _framework(model: Any) -> Any:
     if nn is not None and isinstance(model, nn.Module):
         if model.scope is not None:
             return _Linen
-        from .._util.errors import HookaxError
+        from .._engine.adapters import linen_needs_variables
 
-        raise HookaxError(
-            f"gradient flow of a Linen {type(model).__name__} needs its variables. Fix: bind "
-            f"them: hx.grad_flow(model.bind(variables), x), with variables = model.init(key, x)."
-        )
+        raise linen_needs_variables("gradient flow", model)
     from .._util.errors import HookaxError
 
     raise HookaxError(

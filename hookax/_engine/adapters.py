@@ -30,7 +30,10 @@ __all__ = [
     "adapter_for",
     "ensure_installed",
     "installed",
+    "is_linen",
     "key_linen_interceptors",
+    "linen_needs_variables",
+    "unbound_linen",
 ]
 
 _LOCK = threading.RLock()  # re-entrant: installing one adapter may import another's framework
@@ -79,6 +82,49 @@ def adapter_for(obj: Any) -> Any | None:
         if adapter.is_module(obj):
             return adapter
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Linen modules without their variables: one message, wherever hookax is given one.
+
+# How each API runs a Linen model with its variables: bound, or through ``model.apply``.
+_LINEN_FIX = {
+    "hx.capture": "bind them: hx.capture(model.bind(variables))(x), or pass them: "
+    "hx.capture(model.apply)(variables, x)",
+    "hx.ops": "bind them: hx.ops(model.bind(variables), x), or pass them: "
+    "hx.ops(model.apply, variables, x)",
+    "hx.value_and_grad": "pass them, and bind them inside the loss: hx.value_and_grad(lambda "
+    "variables, x: loss_fn(model.bind(variables), x))(variables, x)",
+    "gradient flow": "bind them: hx.grad_flow(model.bind(variables), x)",
+}
+
+
+def linen_needs_variables(who: str, module: Any) -> Exception:
+    """The error for a Linen module given to ``who`` without its variables (unbound, or as an
+    argument to differentiate): how to bind it or pass its variables."""
+    from .._util.errors import HookaxError
+
+    fix = _LINEN_FIX.get(who, f"bind them: {who}(model.bind(variables), ...)")
+    return HookaxError(
+        f"{who} of a Linen {type(module).__name__} needs its variables. Fix: {fix}, with "
+        "variables = model.init(key, x)."
+    )
+
+
+def unbound_linen(objs: Any) -> Any | None:
+    """The first unbound Linen module among ``objs`` (an iterable), or None."""
+    nn = sys.modules.get("flax.linen")
+    if nn is None:
+        return None
+    for obj in objs:
+        if isinstance(obj, nn.Module) and obj.scope is None:
+            return obj
+    return None
+
+
+def is_linen(obj: Any) -> bool:
+    nn = sys.modules.get("flax.linen")
+    return nn is not None and isinstance(obj, nn.Module)
 
 
 # ---------------------------------------------------------------------------------------------

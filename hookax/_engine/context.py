@@ -13,7 +13,9 @@ Two pieces of state exist, both per thread:
 from __future__ import annotations
 
 import copyreg
+import functools
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -61,18 +63,113 @@ class _ByName(dict):
 HOOKED: dict[int, Any] = _ByName()
 
 
-def track_hooked(module: Any, hooked: bool) -> None:
-    import weakref
+def _forget(table: dict[int, Any], key: int, ref: Any) -> None:
+    """A hooked module died: drop its entry. Reads no global (it may run at interpreter exit,
+    after this module's globals are cleared)."""
+    if table.get(key) is ref:
+        del table[key]
 
+
+def track_hooked(module: Any, hooked: bool) -> None:
     key = id(module)
     if not hooked:
         HOOKED.pop(key, None)
     elif key not in HOOKED:
+        HOOKED[key] = weakref.ref(module, functools.partial(_forget, HOOKED, key))
 
-        def forget(_: Any) -> None:
-            HOOKED.pop(key, None)
 
-        HOOKED[key] = weakref.ref(module, forget)
+# The registered hooks, as part of every jit cache key. A per-module hook lives in the module's
+# graphdef, which a jitted function sees only when the module is one of its arguments; a closure
+# (``jax.jit(lambda x: model(x))``) would reuse the trace it made before a hook was registered.
+# So registering or removing a hook publishes a key of every module's hooks, compared by value
+# (the same hooks on the same modules give an equal key, so nothing else retraces: JAX's eager
+# per-operation dispatch is keyed the same way), and with no hooks left the key is the default
+# again. The key holds modules and hook sets weakly: JAX's caches keep it, and a removed hook's
+# closure must not live on in them. A hook set that died equals nothing (a reused id never hits).
+REGISTERED = jax.make_user_context(None)
+_REGISTRY: dict[int, _Held] = {}
+_REGISTRY_LOCK = threading.RLock()
+_INTERNED: dict[int, weakref.ref[_Registry]] = {}
+
+
+class _Held:
+    """One hooked module in the registry key: equal to another while both name the same live
+    module with hook sets that are alive and equal."""
+
+    __slots__ = ("__weakref__", "_hash", "hooks", "module")
+
+    def __init__(self, module: Any, hooks: Any) -> None:
+        self.module = weakref.ref(module)
+        self.hooks = weakref.ref(hooks)
+        self._hash = hash((id(module), hooks))
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, _Held) or self._hash != other._hash:
+            return False
+        m, hooks = self.module(), self.hooks()
+        if m is None or hooks is None or other.module() is not m:
+            return False
+        theirs = other.hooks()
+        return theirs is hooks or (theirs is not None and theirs == hooks)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
+class _Registry:
+    """The registry key's value: a frozenset of :class:`_Held`, hashed once, interned."""
+
+    __slots__ = ("__weakref__", "_hash", "held")
+
+    def __init__(self, held: frozenset[_Held]) -> None:
+        self.held = held
+        self._hash = hash(held)
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, _Registry) or self._hash != other._hash:
+            return False
+        return self.held == other.held
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __repr__(self) -> str:
+        return f"<hookax: hooks registered on {len(self.held)} modules>"
+
+
+def set_registered(module: Any, hooks: Any) -> None:
+    """Record ``module``'s hooks (None: none) for the registry key; see :func:`publish`."""
+    with _REGISTRY_LOCK:
+        if hooks is None:
+            _REGISTRY.pop(id(module), None)
+        else:
+            _REGISTRY[id(module)] = _Held(module, hooks)
+
+
+def publish() -> None:
+    """Make the registered hooks the registry key's value (once per register or remove)."""
+    with _REGISTRY_LOCK:
+        for k in [k for k, h in _REGISTRY.items() if h.module() is None or h.hooks() is None]:
+            del _REGISTRY[k]  # modules that died
+        live = frozenset(_REGISTRY.values())
+        value: _Registry | None = None
+        if live:
+            value = _Registry(live)
+            ref = _INTERNED.get(value._hash)
+            found = ref() if ref is not None else None
+            if found is not None and found == value:
+                value = found
+            else:
+                if len(_INTERNED) > 256:
+                    for k in [k for k, r in _INTERNED.items() if r() is None]:
+                        del _INTERNED[k]
+                _INTERNED[value._hash] = weakref.ref(value)
+        if REGISTERED.get_global() is not value:
+            REGISTERED.set_global(value)
 
 
 def active_entries() -> tuple[Any, ...]:

@@ -368,6 +368,9 @@ class _WithMethods(Selector):
             return False
         return self.inner is None or self.inner.matches(ctx)
 
+    def names_methods(self) -> bool:
+        return True
+
     def needs_path(self) -> bool:
         return self.inner is not None and self.inner.needs_path()
 
@@ -404,37 +407,74 @@ def _is_module(obj: Any) -> bool:
     return not isinstance(obj, type) and frameworks.adapter_for(obj) is not None
 
 
+def _is_classes(where: Any) -> bool:
+    return (
+        isinstance(where, tuple | list) and bool(where) and all(isinstance(t, type) for t in where)
+    )
+
+
+def _union(items: list[Selector]) -> Selector:
+    sel = items[0]
+    for item in items[1:]:
+        sel = _Or(sel, item)
+    return sel
+
+
+def _string(where: str) -> Selector:
+    """A path glob, or ``"path:method"`` (``"encoder:encode"``, ``":encode"`` for the root)."""
+    path, method = split_method(where)
+    if not method:
+        return Select(paths=where)
+    return Select(paths=path, methods="*" if method == "*" else (method,))
+
+
 def _coerce(where: Any) -> Selector:
     if isinstance(where, Selector):
         return where
-    if isinstance(where, list) and where and all(isinstance(t, type) for t in where):
-        where = tuple(where)
-    if isinstance(where, type) or (
-        isinstance(where, tuple) and where and all(isinstance(t, type) for t in where)
-    ):
-        return Select(types=where)
+    if isinstance(where, type) or _is_classes(where):
+        return Select(types=tuple(where) if isinstance(where, list) else where)
+    if isinstance(where, tuple | list):
+        return _union(_items(where, _coerce))
     if _is_module(where):
         return _Instance(where)
     if isinstance(where, str):
-        return Select(paths=where)
+        return _string(where)
     if callable(where):
         return _Predicate(where)
     raise SelectorError(
         f"where= must be None, a class or tuple of classes, a path glob string, a callable "
         f"(ctx) -> bool, or hx.Select(...); got {where!r} of type {type(where).__name__}. "
-        'Fix: e.g. where=nnx.Linear, where="layers/*/attn" or where=hx.Select(methods="encode").'
+        'Fix: e.g. where=nnx.Linear, where="layers/*/attn" or where=hx.Select(methods="encode"). '
+        'A list of any of these is their union (where=["embed", "layers/*"]), and a string '
+        'names a method other than __call__ after a colon ("encoder:encode").'
     )
+
+
+def _items(where: tuple[Any, ...] | list[Any], coerce: Callable[[Any], Selector]) -> list[Selector]:
+    if not where:
+        raise SelectorError(
+            f"where={where!r} is an empty list: it selects nothing. Fix: leave where= out for "
+            'every module, or list patterns: where=["embed", "layers/*"].'
+        )
+    return [coerce(w) for w in where]
 
 
 def as_selector(where: Any, default_methods: tuple[str, ...] | str) -> Selector:
     """Turn any ``where=`` form into a selector; the default methods apply unless it names some.
 
+    A list (or a tuple that is not all classes) is the union of its entries, each with the
+    default methods unless it names its own.
+
     Examples:
       >>> as_selector(None, ("__call__",))
       None (methods ('__call__',))
+      >>> as_selector(["a", "b:encode"], ("__call__",))
+      (Select(paths=('a',)) (methods ('__call__',)) | Select(paths=('b',), methods=('encode',)))
     """
     if where is None:
         return _WithMethods(None, default_methods)
+    if isinstance(where, tuple | list) and not _is_classes(where):
+        return _union(_items(where, lambda w: as_selector(w, default_methods)))
     sel = _coerce(where)
     if sel.names_methods():
         return sel
@@ -458,6 +498,8 @@ def resolve_instances(where: Any, objs: Any) -> Any:
     Inside ``jax.jit`` a module passed as an argument is rebuilt, so identity cannot select it;
     its path can. An instance not found below ``objs`` stays an identity selector.
     """
+    if isinstance(where, tuple | list):
+        return type(where)(resolve_instances(w, objs) for w in where)
     if not _is_module(where):
         return where
     import jax

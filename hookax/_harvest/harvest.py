@@ -111,6 +111,8 @@ def _describe_where(where: Any) -> str:
         return f"{where.__module__}.{where.__qualname__}"
     if isinstance(where, tuple):
         return "(" + ", ".join(_describe_where(w) for w in where) + ")"
+    if isinstance(where, list):
+        return "[" + ", ".join(_describe_where(w) for w in where) + "]"
     if callable(where) and hasattr(where, "__qualname__"):
         return _describe_fn(where)
     return repr(where)

@@ -6,7 +6,9 @@ module through ``nnx.split``/``nnx.merge``, ``nnx.jit``, ``jax.jit`` over module
 ``nnx.scan`` and ``nnx.remat``; replacing the set (adding or removing a hook) changes the graphdef,
 so jitted functions retrace; and the hooks are not in ``nnx.state(module)``, so checkpoints do not
 change. Hook records compare by value (the hook function and its options), so registering the
-same hook again gives an equal graphdef and hits every cache.
+same hook again gives an equal graphdef and hits every cache. A jitted closure over the model
+(``jax.jit(lambda x: model(x))``) does not see the graphdef: every registration and removal also
+publishes the registered hooks as a jit cache key (:func:`hookax._engine.context.publish`).
 """
 
 from __future__ import annotations
@@ -129,7 +131,9 @@ def hook_set(module: Any) -> HookSet | None:
     return vars(module).get(ATTR)
 
 
-def _store(module: Any, hs: HookSet | None) -> None:
+def _store(module: Any, hs: HookSet | None, registered: bool = True) -> None:
+    """Set ``module``'s hooks; ``registered``: a module of the user's (not a copy a transform
+    rebuilt), whose hooks enter the jit cache key (:func:`hookax._engine.context.publish`)."""
     if hs is None:
         if ATTR in vars(module):
             delattr(module, ATTR)
@@ -140,7 +144,9 @@ def _store(module: Any, hs: HookSet | None) -> None:
         object.__setattr__(module, ATTR, hs)
     else:
         setattr(module, ATTR, hs)
-    _context.track_hooked(module, hs is not None)
+    if registered:
+        _context.track_hooked(module, hs is not None)
+        _context.set_registered(module, hs)
 
 
 # Adding or removing a hook reads a module's hook set and stores a new one: one thread at a time,
@@ -149,11 +155,11 @@ def _store(module: Any, hs: HookSet | None) -> None:
 _LOCK = threading.RLock()
 
 
-def _drop(module: Any, token: int) -> None:
+def _drop(module: Any, token: int, registered: bool = True) -> None:
     with _LOCK:
         hs = hook_set(module)
         if hs is not None and any(r.token == token for r in hs.records):
-            _store(module, hs.without(token))
+            _store(module, hs.without(token), registered)
 
 
 def _copies_in_call(token: int) -> None:
@@ -171,7 +177,7 @@ def _copies_in_call(token: int) -> None:
         for _, m in frame.adapter.iter_modules(frame.module):
             if id(m) not in seen:
                 seen.add(id(m))
-                _drop(m, token)
+                _drop(m, token, registered=False)
 
 
 class HookHandle:
@@ -191,8 +197,10 @@ class HookHandle:
             module = ref()
             if module is not None:
                 _drop(module, self.id)
-        if refs and _context.call_stack():
-            _copies_in_call(self.id)
+        if refs:
+            _context.publish()
+            if _context.call_stack():
+                _copies_in_call(self.id)
 
     def __enter__(self) -> HookHandle:
         return self
@@ -299,6 +307,7 @@ def _register(module: Any, record: HookRecord, where: Any, api: str) -> HookHand
                 )
             rec = dataclasses.replace(record, methods=methods, layers=layers, token=token)
             _store(m, (hook_set(m) or HookSet(())).add(rec))
+        _context.publish()
     return HookHandle(token, [m for m, _, _ in targets])
 
 
@@ -448,6 +457,7 @@ def remove_hooks(module: Any) -> None:
     with _LOCK:
         for _, m in adapter.iter_modules(module):
             _store(m, None)
+        _context.publish()
 
 
 def hooks(

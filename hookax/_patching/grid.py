@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -105,13 +105,45 @@ def _grid(spec: _GridSpec, dyn: list[Any], values: dict[str, Any], patches: Any)
     return jnp.stack(rows)
 
 
-def _as_args(args: Any, name: str) -> tuple[Any, ...]:
+def _as_args(args: Any, name: str, who: str = WHO) -> tuple[Any, ...]:
     if not isinstance(args, tuple):
         raise HookaxError(
-            f"{WHO}: {name} is the tuple of fn's positional arguments, got "
+            f"{who}: {name} is the tuple of fn's positional arguments, got "
             f"{type(args).__name__}. Fix: {name}=(tokens,) for fn(tokens)."
         )
     return args
+
+
+def _alike(clean_args: tuple[Any, ...], corrupt_args: tuple[Any, ...], who: str) -> None:
+    """Refuse clean and corrupted inputs of different structures, shapes or dtypes: one run's
+    values go into the other, so they must be alike (said before anything runs)."""
+    fix = (
+        "Patching puts the clean run's values into the corrupted run, so both runs take inputs "
+        "of the same shapes and dtypes. Fix: make the two prompts the same length (pad or trim "
+        "them; the same number of tokens in each)."
+    )
+    clean, clean_tree = jax.tree_util.tree_flatten_with_path(clean_args)
+    corrupt, corrupt_tree = jax.tree_util.tree_flatten_with_path(corrupt_args)
+    if clean_tree != cast(Any, corrupt_tree):
+        raise PatchError(
+            f"{who}: clean_args and corrupt_args differ in structure: clean {clean_tree} and "
+            f"corrupt {corrupt_tree}. {fix}"
+        )
+    for (path, a), (_, b) in zip(clean, corrupt, strict=True):
+        if not (hasattr(a, "shape") and hasattr(b, "shape")):
+            continue
+        where = jax.tree_util.keystr(path)
+        if tuple(a.shape) != tuple(b.shape):
+            raise PatchError(
+                f"{who}: clean {tuple(a.shape)} and corrupt {tuple(b.shape)} differ (the shapes "
+                f"of clean_args{where} and corrupt_args{where}). {fix}"
+            )
+        canonical = jax.dtypes.canonicalize_dtype  # NumPy's int64 tokens run as int32
+        if canonical(a.dtype) != canonical(b.dtype):
+            raise PatchError(
+                f"{who}: clean {a.dtype} and corrupt {b.dtype} differ (the dtypes of "
+                f"clean_args{where} and corrupt_args{where}). {fix}"
+            )
 
 
 class Plan:
@@ -139,13 +171,14 @@ class Plan:
                 f"inside them, 'layers/*/attn:dot_general#1'), or both."
             )
         clean_args, corrupt_args = (
-            _as_args(clean_args, "clean_args"),
-            _as_args(corrupt_args, "corrupt_args"),
+            _as_args(clean_args, "clean_args", who),
+            _as_args(corrupt_args, "corrupt_args", who),
         )
+        _alike(clean_args, corrupt_args, who)
         self.keys, self.shapes = [], {}
         if where is not None:
             found = targets.discover(fn, corrupt_args)
-            self.keys = targets.expand(targets.parse(where, who), found, who)
+            self.keys = targets.where_keys(where, fn, corrupt_args, found, who)
             self.shapes = {k: targets.out_spec(k, found, who) for k in self.keys}
         op_shapes = {} if ops is None else discover_ops(fn, corrupt_args, ops, who)
         self.ops = [k for k in op_shapes if k not in self.shapes]

@@ -16,14 +16,23 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._engine.select import Select, check_glob, glob_to_regex, split_layers, split_method
-from .._hooks.intercept import intercept
+from .._engine.select import (
+    CALL_ONLY,
+    Select,
+    as_selector,
+    check_glob,
+    glob_to_regex,
+    split_layers,
+    split_method,
+)
+from .._hooks.intercept import Entry, intercept, scoped
 from .._util.errors import SelectorError
+from .._util.fnkey import FnKey
 from .._util.specs import describe, describe_tree
 from . import compiled
 from .patch import PatchError, position_mask
 
-__all__ = ["Target", "columns", "discover", "expand", "selector"]
+__all__ = ["Target", "columns", "discover", "expand", "selector", "where_keys"]
 
 Target = tuple[str, str]  # (path glob, method)
 _SHAPES: dict[Any, dict[str, list[Any]]] = {}
@@ -189,3 +198,68 @@ def columns(positions: Any, axis: int, shapes: dict[str, Any], who: str) -> Any:
     for key, spec in shapes.items():  # every patch fits every target (checks shapes early)
         position_mask(cols[0], spec.shape, axis, key)
     return cols
+
+
+def where_keys(
+    where: Any, fn: Any, args: tuple[Any, ...], found: dict[str, list[Any]], who: str
+) -> list[str]:
+    """The target keys of any ``where=`` (the grammar of every ``where=``): a string is a key or
+    a path glob (:func:`parse`, :func:`expand`); a class, a callable or an ``hx.Select`` picks
+    the call sites it matches, in call order; a list is its entries' targets, in its order."""
+    items = where if isinstance(where, list | tuple) and not _classes(where) else [where]
+    if all(isinstance(item, str) for item in items):
+        return expand(parse(where, who), found, who)
+    keys: list[str] = []
+    for item in items:
+        if isinstance(item, str):
+            got = expand(parse(item, who), found, who)
+        else:
+            got = _matched(fn, args, as_selector(item, CALL_ONLY), item, found, who)
+        keys += [k for k in got if k not in keys]
+    return keys
+
+
+def _classes(where: Any) -> bool:
+    return bool(where) and all(isinstance(w, type) for w in where)
+
+
+_MATCHED: dict[Any, list[str]] = {}
+
+
+def _matched(
+    fn: Any, args: tuple[Any, ...], sel: Any, item: Any, found: dict[str, list[Any]], who: str
+) -> list[str]:
+    """The keys of the call sites ``sel`` picks, in call order (abstractly; cached like
+    :func:`discover`); one layer of a scanned stack as ``hx.capture`` names it."""
+    dyn, rest = compiled.split((fn, args))
+    cache_key = (rest, tuple(None if d is None else (d.shape, d.dtype) for d in dyn), sel)
+    hit = _MATCHED.get(cache_key)
+    if hit is None:
+        hit = []
+
+        def record(next_fun: Callable[..., Any], a: tuple, k: dict[str, Any], ctx: Any) -> Any:
+            layers = sel.layers(ctx) if sel.has_layers() else None
+            for key in (
+                [ctx.key] if layers is None else [_layer_key(ctx.key, i) for i in sorted(layers)]
+            ):
+                if key not in hit:
+                    hit.append(key)
+            return next_fun(*a, **k)
+
+        def run(dyn: list[Any]) -> Any:
+            f, a = compiled.join(dyn, rest)
+            with scoped(Entry("intercept", FnKey(record), sel)):
+                return f(*a)
+
+        jax.eval_shape(run, dyn)
+        if len(_MATCHED) > 64:
+            _MATCHED.clear()
+        _MATCHED[cache_key] = hit
+    if not hit:
+        near = list(found)[:6]
+        raise SelectorError(
+            f"{who}: where={item!r} matched no call site; those that ran include "
+            f"{', '.join(repr(k) for k in near)}. Fix: use a key as hx.capture names it, or a "
+            "selector that matches one of them."
+        )
+    return hit
