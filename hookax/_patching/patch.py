@@ -25,7 +25,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.interpreters import batching as _batching
 
+from .._engine import context as _context
 from .._engine.select import split_layers
 from .._hooks.intercept import intercept
 from .._hooks.layergate import layer_pred
@@ -44,10 +46,11 @@ class PatchError(HookaxError, ValueError):
 class _State:
     """One active block: its spec, and what happened while it ran."""
 
-    __slots__ = ("applied", "calls", "counts", "seen", "spec")
+    __slots__ = ("applied", "calls", "counts", "seen", "spec", "trace")
 
     def __init__(self, spec: tuple[Any, ...], counts: Any) -> None:
         self.spec = spec
+        self.trace = _context.current_trace()  # where the block was entered (see per_example)
         self.counts = counts  # a jax reference of int32[n_keys]: runs of each stacked key
         self.calls: dict[str, int] = {}  # calls of each key in the current forward (trace time)
         self.seen: set[str] = set()
@@ -120,7 +123,7 @@ def _value_for(key: str, k: int, out: Any, entry: Any, state: _State, context: A
             f"{WHO}: call site {key!r} returned a {type(out).__name__}; only array outputs can "
             f"be patched. Fix: patch a call site inside it that returns an array."
         )
-    value = jnp.asarray(entry)
+    value = per_example(jnp.asarray(entry), out.shape, context._frame, state.trace)
     if value.shape == out.shape:
         return value.astype(out.dtype)
     if value.ndim == out.ndim + 1 and value.shape[1:] == out.shape:
@@ -139,6 +142,21 @@ def _value_for(key: str, k: int, out: Any, entry: Any, state: _State, context: A
         f"of a scanned stack, as hx.capture stacks them). Fix: pass the call site's own "
         f"captured value, hx.capture(fn, where={key!r})(*args)[1][{key!r}]."
     )
+
+
+def per_example(value: Any, shape: tuple[int, ...], frame: Any, block_trace: Any) -> Any:
+    """``value`` as each example of the vmaps around the call sees it.
+
+    A call site inside a vmap entered within the block (Equinox's ``jax.vmap(model)(tokens)``)
+    has per-example outputs of ``shape``, while its captured value holds every example, the
+    vmaps' axes first (as ``hx.capture`` stacks them). Each such leading axis becomes that
+    vmap's batch axis, so example ``i`` gets ``value[i]``; other values are returned as they are.
+    """
+    for vmap in _context.vmaps_between(frame.trace, block_trace):
+        if value.ndim <= len(shape) or value.shape[0] != vmap.axis_data.size:
+            break
+        value = _batching.BatchTracer(vmap, value, 0)
+    return value
 
 
 def position_mask(positions: Any, shape: tuple[int, ...], axis: int, key: str) -> Any:

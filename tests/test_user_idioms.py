@@ -1,0 +1,320 @@
+"""Idioms users write that the feature tests do not: operations of one layer of a scanned stack
+named by a layer suffix on plain primitives, and patching grids over Equinox's
+``jax.vmap(model)(tokens)``. Each against the same computation written by hand."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import hookax as hx
+
+N, B, T, H, DH = 3, 2, 3, 2, 2
+D = H * DH
+
+
+def close(a: Any, b: Any, tol: float = 1e-5) -> None:
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=tol, atol=tol)
+
+
+# --- a layer suffix on the plain primitives of a scanned stack ---------------------------------
+
+
+class Attn(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.qkv = nnx.Linear(D, 3 * D, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return attention(self.qkv(x))
+
+
+def attention(qkv: jax.Array, edit: Any = None) -> jax.Array:
+    """Heads' attention of ``(batch, position, 3 * D)``; ``edit(out)`` rewrites the per-head
+    outputs ``(batch, heads, position, features)`` (the second einsum, ``dot_general#1``)."""
+    q, k, v = (t.reshape(*t.shape[:-1], H, DH) for t in jnp.split(qkv, 3, axis=-1))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+    out = jnp.einsum("bhqk,bkhd->bhqd", jax.nn.softmax(s, axis=-1), v)
+    if edit is not None:
+        out = edit(out)
+    return out.transpose(0, 2, 1, 3).reshape(*qkv.shape[:-1], D)
+
+
+class Block(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs) -> None:
+        self.attn = Attn(rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = jnp.sin(x)
+        return x + self.attn(h)  # an add after the child's call
+
+
+class Stack(nnx.Module):
+    def __init__(self, decorated: bool) -> None:
+        @nnx.split_rngs(splits=N)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make(rngs: nnx.Rngs) -> Block:
+            return Block(rngs)
+
+        self.blocks = make(nnx.Rngs(0))
+        self.decorated = decorated
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.decorated:
+
+            @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+            def body(x: jax.Array, block: Block) -> jax.Array:
+                return block(x)
+
+            return body(x, self.blocks)
+        return nnx.scan(lambda x, b: b(x), in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)(
+            x, self.blocks
+        )
+
+
+def by_hand(model: Stack, x: jax.Array, edits: dict[tuple[int, str], Any] | None = None):
+    """The stack unrolled; ``edits[(layer, "sin" | "dot" | "add")](value) -> value``; returns
+    the output and every layer's values of the three operations."""
+    edits = edits or {}
+    w, b = model.blocks.attn.qkv.kernel[...], model.blocks.attn.qkv.bias[...]
+    seen: dict[tuple[int, str], jax.Array] = {}
+
+    def at(i: int, name: str, value: jax.Array) -> jax.Array:
+        value = edits.get((i, name), lambda v: v)(value)
+        seen[(i, name)] = value
+        return value
+
+    for i in range(N):
+        h = at(i, "sin", jnp.sin(x))
+        y = attention(h @ w[i] + b[i], lambda out, i=i: at(i, "dot", out))
+        x = at(i, "add", x + y)
+    return x, seen
+
+
+X = jax.random.normal(jax.random.key(3), (B, T, D))
+OPS = {"sin": "blocks[1]:sin", "dot": "blocks/attn[2]:dot_general#1", "add": "blocks[0]:add"}
+LAYER = {"sin": 1, "dot": 2, "add": 0}
+
+
+def _run(mode: str, fn: Any, *args: Any) -> Any:
+    if mode == "eager":
+        return fn(*args)
+    return {"jax.jit": jax.jit, "nnx.jit": nnx.jit}[mode](fn)(*args)
+
+
+@pytest.mark.parametrize("decorated", [False, True])
+@pytest.mark.parametrize("mode", ["eager", "jax.jit", "nnx.jit"])
+def test_layer_suffix_on_plain_primitives_of_a_scanned_stack(mode: str, decorated: bool) -> None:
+    """``blocks[1]:sin``, ``blocks/attn[2]:dot_general#1`` (an einsum after a child call) and
+    ``blocks[0]:add`` captured and edited in one layer of an ``nnx.scan`` stack (a lambda body
+    and a decorated ``@nnx.scan`` one)."""
+    model = Stack(decorated)
+    want, seen = by_hand(model, X)
+    close(model(X), want)
+
+    y, vals = _run(mode, lambda m, x: hx.capture(m, ops=list(OPS.values()))(x), model, X)
+    close(y, want)
+    assert sorted(vals) == sorted(OPS.values())
+    for name, address in OPS.items():
+        assert len(vals[address]) == 1
+        close(vals[address][0], seen[(LAYER[name], name)])
+
+    def off(value: jax.Array, op: hx.OpContext) -> jax.Array:
+        return value * 0.5
+
+    for name, address in OPS.items():
+
+        def edited(m: Stack, x: jax.Array, address: str = address) -> jax.Array:
+            with hx.intercept_op(off, ops=address):
+                return m(x)
+
+        got = _run(mode, edited, model, X)
+        hand, _ = by_hand(model, X, {(LAYER[name], name): lambda v: v * 0.5})
+        close(got, hand)
+        assert float(jnp.abs(hand - want).max()) > 1e-3  # the edit changes the output
+
+
+def test_patch_grid_of_one_layer_of_a_scanned_stack_per_head() -> None:
+    """``ops="blocks/attn[0:3]:dot_general#1", heads=1``: one row per layer, each cell one head
+    at one position patched from the clean run, against the stack unrolled by hand."""
+    model = Stack(decorated=True)
+    clean, corrupt = X, X[::-1] * 0.5
+    _, clean_seen = by_hand(model, clean)
+
+    def metric(y: jax.Array) -> jax.Array:
+        return y[:, -1].sum()
+
+    grid = hx.patch_grid(
+        model, (clean,), (corrupt,), metric, ops="blocks/attn[0:3]:dot_general#1", heads=1, axis=2
+    )
+    assert grid.shape == (N, H, T)  # (layer, head, position)
+
+    @jax.jit
+    def hand(layer: jax.Array, head: jax.Array, pos: jax.Array) -> jax.Array:
+        mask = (jnp.arange(H) == head)[:, None, None] & (jnp.arange(T) == pos)[:, None]
+        edits = {
+            (i, "dot"): lambda v, i=i: jnp.where(mask & (layer == i), clean_seen[(i, "dot")], v)
+            for i in range(N)
+        }
+        return metric(by_hand(model, corrupt, edits)[0])
+
+    for i in range(N):
+        for h in range(H):
+            for p in range(T):
+                close(grid[i, h, p], hand(jnp.int32(i), jnp.int32(h), jnp.int32(p)))
+
+
+def test_a_layer_suffix_outside_a_scan_names_the_grid_in_its_error() -> None:
+    class Unrolled(nnx.Module):
+        def __init__(self) -> None:
+            self.blocks = nnx.List([Block(nnx.Rngs(i)) for i in range(2)])
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    with pytest.raises(
+        hx.SelectorError,
+        match=r"^hx\.patch_grid: a layer suffix selects iteration\(s\) 0 of call site "
+        r"'blocks/0/attn', but it does not run inside a scan",
+    ):
+        hx.patch_grid(
+            Unrolled(), (X,), (X * 0,), jnp.sum, ops="blocks/0/attn[0]:dot_general#1", axis=2
+        )
+
+
+# --- patching grids over Equinox's jax.vmap(model)(tokens) -------------------------------------
+
+_KE = jax.random.split(jax.random.key(5), 3)
+W_E = [jax.random.normal(k, (D, D)) / 2 for k in _KE]
+
+
+class EBlock(eqx.Module):
+    lin: eqx.nn.Linear
+
+    def __init__(self, w: jax.Array) -> None:
+        self.lin = eqx.nn.Linear(D, D, use_bias=False, key=jax.random.key(0))
+        self.lin = eqx.tree_at(lambda m: m.weight, self.lin, w.T)
+
+    def __call__(self, x: jax.Array) -> jax.Array:  # x: (position, features), one example
+        return x + jnp.tanh(jax.vmap(self.lin)(x))
+
+
+class EModel(eqx.Module):
+    blocks: list[EBlock]
+
+    def __init__(self) -> None:
+        self.blocks = [EBlock(w) for w in W_E]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def e_hand(x: jax.Array, edit: Any = None) -> tuple[jax.Array, list[jax.Array]]:
+    """The model over a batch by hand; ``edit(i, out) -> out`` on block ``i``'s batched output."""
+    outs = []
+    for i, w in enumerate(W_E):
+        x = x + jnp.tanh(x @ w)
+        if edit is not None:
+            x = edit(i, x)
+        outs.append(x)
+    return x, outs
+
+
+XE = jax.random.normal(jax.random.key(6), (B, T, D))
+XE_CORRUPT = XE[::-1] * 0.5
+
+
+def e_metric(y: jax.Array) -> jax.Array:
+    return (y[:, -1, 0] * jnp.array([1.0, -2.0])).sum()
+
+
+def e_grid_by_hand() -> jax.Array:
+    _, clean = e_hand(XE)
+    rows = []
+    for i in range(len(W_E)):
+        row = []
+        for p in range(T):
+            mask = (jnp.arange(T) == p)[:, None]
+            y, _ = e_hand(
+                XE_CORRUPT, lambda j, o, i=i, m=mask: jnp.where(m, clean[i], o) if j == i else o
+            )
+            row.append(e_metric(y))
+        rows.append(row)
+    return jnp.array(rows)
+
+
+def test_the_equinox_model_is_its_reference() -> None:
+    close(jax.vmap(EModel())(XE), e_hand(XE)[0])
+
+
+@pytest.mark.parametrize("mode", ["eager", "eqx.filter_jit", "jax.jit"])
+def test_patch_grid_over_jax_vmap_of_an_equinox_model(mode: str) -> None:
+    """Positions index the per-example value (``axis=0``); each example gets its own clean
+    value."""
+
+    def fn(model: EModel, tokens: jax.Array) -> jax.Array:
+        return jax.vmap(model)(tokens)
+
+    def grid(model: EModel, clean: jax.Array, corrupt: jax.Array) -> jax.Array:
+        return hx.patch_grid(
+            fn, (model, clean), (model, corrupt), e_metric, where="blocks/*", axis=0
+        )
+
+    run = {"eager": grid, "eqx.filter_jit": eqx.filter_jit(grid), "jax.jit": jax.jit(grid)}[mode]
+    got = run(EModel(), XE, XE_CORRUPT)
+    want = e_grid_by_hand()
+    assert got.shape == (len(W_E), T)
+    close(got, want)
+    assert float(jnp.abs(want - e_metric(e_hand(XE_CORRUPT)[0])).max()) > 1e-2
+
+
+@pytest.mark.parametrize("mode", ["eager", "eqx.filter_jit"])
+def test_operations_and_attribution_over_jax_vmap_of_an_equinox_model(mode: str) -> None:
+    """An operation target (the block's residual ``add``) inside the vmap, and attribution in
+    the same layout: (clean - corrupted) . d metric / d output, by jax.grad of a hand
+    perturbation."""
+
+    def fn(model: EModel, tokens: jax.Array) -> jax.Array:
+        return jax.vmap(model)(tokens)
+
+    def both(model: EModel, clean: jax.Array, corrupt: jax.Array) -> tuple[jax.Array, jax.Array]:
+        args = (fn, (model, clean), (model, corrupt), e_metric)
+        return (
+            hx.patch_grid(*args, ops="blocks/*:add", axis=0),
+            hx.attribution_patch(*args, where="blocks/*", axis=0),
+        )
+
+    run = both if mode == "eager" else eqx.filter_jit(both)
+    grid, est = run(EModel(), XE, XE_CORRUPT)
+    close(grid, e_grid_by_hand())
+
+    def perturbed(d: jax.Array) -> jax.Array:
+        return e_metric(e_hand(XE_CORRUPT, lambda i, o: o + d[i])[0])
+
+    g = jax.grad(perturbed)(jnp.zeros((len(W_E), B, T, D)))
+    diff = jnp.stack(e_hand(XE)[1]) - jnp.stack(e_hand(XE_CORRUPT)[1])
+    close(est, (diff * g).sum(axis=(1, 3)))
+
+
+@pytest.mark.parametrize("mode", ["eager", "eqx.filter_jit"])
+def test_patching_inside_jax_vmap_gives_each_example_its_value(mode: str) -> None:
+    _, clean = e_hand(XE)
+
+    def run(model: EModel, x: jax.Array, value: jax.Array) -> jax.Array:
+        with hx.patching({"blocks/1": value}, positions=2, axis=0):
+            return jax.vmap(model)(x)
+
+    run = run if mode == "eager" else eqx.filter_jit(run)
+    got = run(EModel(), XE_CORRUPT, clean[1])
+    mask = (jnp.arange(T) == 2)[:, None]
+    want, _ = e_hand(XE_CORRUPT, lambda i, o: jnp.where(mask, clean[1], o) if i == 1 else o)
+    close(got, want)
