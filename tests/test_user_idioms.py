@@ -286,16 +286,20 @@ def test_operations_and_attribution_over_jax_vmap_of_an_equinox_model(mode: str)
     def fn(model: EModel, tokens: jax.Array) -> jax.Array:
         return jax.vmap(model)(tokens)
 
-    def both(model: EModel, clean: jax.Array, corrupt: jax.Array) -> tuple[jax.Array, jax.Array]:
+    def both(model: EModel, clean: jax.Array, corrupt: jax.Array) -> tuple[jax.Array, ...]:
         args = (fn, (model, clean), (model, corrupt), e_metric)
         return (
             hx.patch_grid(*args, ops="blocks/*:add", axis=0),
             hx.attribution_patch(*args, where="blocks/*", axis=0),
+            hx.patch_grid(*args, where="blocks/2:in", axis=0),  # block 1's output
+            hx.attribution_patch(*args, where="blocks/2:in", axis=0),
         )
 
     run = both if mode == "eager" else eqx.filter_jit(both)
-    grid, est = run(EModel(), XE, XE_CORRUPT)
+    grid, est, in_grid, in_est = run(EModel(), XE, XE_CORRUPT)
     close(grid, e_grid_by_hand())
+    close(in_grid, e_grid_by_hand()[1:2])
+    close(in_est, est[1:2])
 
     def perturbed(d: jax.Array) -> jax.Array:
         return e_metric(e_hand(XE_CORRUPT, lambda i, o: o + d[i])[0])
@@ -318,3 +322,146 @@ def test_patching_inside_jax_vmap_gives_each_example_its_value(mode: str) -> Non
     mask = (jnp.arange(T) == 2)[:, None]
     want, _ = e_hand(XE_CORRUPT, lambda i, o: jnp.where(mask, clean[1], o) if i == 1 else o)
     close(got, want)
+
+
+# --- a call site's input ("blocks/1:in", as hx.capture names it) as a patch target ----------
+
+_KR = jax.random.split(jax.random.key(7), 6)
+W_R = [
+    (jax.random.normal(a, (D, D)) / 2, jax.random.normal(b, (D,)) / 4)
+    for a, b in zip(_KR[::2], _KR[1::2])
+]
+XR = jax.random.normal(jax.random.key(8), (1, T, D))
+XR_CORRUPT = XR[:, ::-1] * 0.5
+
+
+class RBlock(nnx.Module):
+    def __init__(self, i: int) -> None:
+        self.lin = nnx.Linear(D, D, rngs=nnx.Rngs(0))
+        self.lin.kernel.set_value(W_R[i][0])
+        self.lin.bias.set_value(W_R[i][1])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return x + jnp.tanh(self.lin(x))
+
+
+class RModel(nnx.Module):
+    def __init__(self) -> None:
+        self.blocks = nnx.List([RBlock(i) for i in range(len(W_R))])
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+def r_hand(x: jax.Array, pre: Any = None) -> tuple[jax.Array, list[jax.Array]]:
+    """The residual stack by hand; ``pre(i, x) -> x`` rewrites block ``i``'s input (the
+    residual stream before it); returns the output and each block's input."""
+    ins = []
+    for i, (w, b) in enumerate(W_R):
+        if pre is not None:
+            x = pre(i, x)
+        ins.append(x)
+        x = x + jnp.tanh(x @ w + b)
+    return x, ins
+
+
+def r_metric(y: jax.Array) -> jax.Array:
+    return y[0, -1, 0] - y[0, -1, 1]
+
+
+R_CLEAN_IN = r_hand(XR)[1]
+
+
+def r_patched(i: int, p: int | None) -> jax.Array:
+    mask = jnp.ones((T, 1), bool) if p is None else (jnp.arange(T) == p)[:, None]
+    pre = lambda j, x: jnp.where(mask, R_CLEAN_IN[i], x) if j == i else x  # noqa: E731
+    return r_metric(r_hand(XR_CORRUPT, pre)[0])
+
+
+def test_the_residual_model_is_its_reference() -> None:
+    close(RModel()(XR), r_hand(XR)[0])
+
+
+@pytest.mark.parametrize("mode", ["eager", "jax.jit", "nnx.jit"])
+def test_the_input_of_a_call_site_is_a_patch_target(mode: str) -> None:
+    """``"blocks/1:in"`` in hx.patching, patch_grid (``"blocks/*:in"``: one row per block) and
+    attribution_patch, against the residual stream before each block edited by hand."""
+    model = RModel()
+    _, acts = hx.capture(model, where="blocks/1", inputs=True)(XR)
+    assert "blocks/1:in" in acts
+
+    def patched(m: RModel, x: jax.Array, value: jax.Array) -> jax.Array:
+        with hx.patching({"blocks/1:in": value}, positions=2):
+            return r_metric(m(x))
+
+    def grid(m: RModel, clean: jax.Array, corrupt: jax.Array) -> tuple[jax.Array, jax.Array]:
+        args = (m, (clean,), (corrupt,), r_metric)
+        return (
+            hx.patch_grid(*args, where="blocks/*:in"),
+            hx.attribution_patch(*args, where=["blocks/0:in", "blocks/2:in"]),
+        )
+
+    wrap = {"eager": lambda f: f, "jax.jit": jax.jit, "nnx.jit": nnx.jit}[mode]
+    close(wrap(patched)(model, XR_CORRUPT, acts["blocks/1:in"][0]), r_patched(1, 2))
+    got, est = wrap(grid)(model, XR, XR_CORRUPT)
+    want = jnp.array([[r_patched(i, p) for p in range(T)] for i in range(len(W_R))])
+    assert got.shape == (len(W_R), T)
+    close(got, want)
+
+    def perturbed(d: jax.Array) -> jax.Array:
+        return r_metric(r_hand(XR_CORRUPT, lambda i, x: x + d[i])[0])
+
+    g = jax.grad(perturbed)(jnp.zeros((len(W_R), 1, T, D)))
+    diff = jnp.stack(R_CLEAN_IN) - jnp.stack(r_hand(XR_CORRUPT)[1])
+    close(est, (diff * g).sum(axis=(1, 3))[jnp.array([0, 2])])
+
+
+def test_the_input_of_one_layer_of_a_scanned_stack_is_a_patch_target() -> None:
+    """``"blocks/mlp[1,3]:in"``: one row per layer, the input of that layer's ``mlp``."""
+    from tests.test_scan_layers import Scanned, X, _kernels, unrolled
+
+    model = Scanned()
+    w, b = _kernels(model)
+    clean, corrupt = X, X[::-1] * 0.5
+    ins: dict[int, jax.Array] = {}
+    unrolled(w, b, clean, pre=lambda i, h: ins.setdefault(i, h))
+    got = hx.patch_grid(model, (clean,), (corrupt,), jnp.sum, where="blocks/mlp[1,3]:in", axis=0)
+    assert got.shape == (2, 2)  # (layer, batch row)
+    for r, layer in enumerate((1, 3)):
+        for row in range(2):
+            mask = (jnp.arange(2) == row)[:, None]
+            pre = lambda i, h, m=mask, at=layer: jnp.where(m, ins[i], h) if i == at else h  # noqa: E731
+            close(got[r, row], unrolled(w, b, corrupt, pre=pre).sum())
+
+
+def test_input_targets_that_do_not_fit_raise_naming_them() -> None:
+    model = RModel()
+    args = (model, (XR,), (XR_CORRUPT,), r_metric)
+    with pytest.raises(
+        hx.SelectorError, match=r"where='blockz/1:in' matched no call site.*'blocks/1:in'"
+    ):
+        hx.patch_grid(*args, where="blockz/1:in")
+
+    class Two(nnx.Module):
+        def __init__(self) -> None:
+            self.lin = nnx.Linear(D, D, rngs=nnx.Rngs(0))
+
+        def __call__(self, x: jax.Array, y: jax.Array) -> jax.Array:
+            return self.lin(x) + y
+
+    class Outer(nnx.Module):
+        def __init__(self) -> None:
+            self.two = Two()
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return self.two(x, x)
+
+    with pytest.raises(hx.PatchError, match=r"the input of call site 'two' is \("):
+        hx.patch_grid(Outer(), (XR,), (XR_CORRUPT,), r_metric, where="two:in")
+    with (
+        pytest.raises(hx.PatchError, match=r"'two:in' names the input of a call that takes 2"),
+        hx.patching({"two:in": XR}),
+    ):
+        Outer()(XR)

@@ -94,26 +94,75 @@ def _interceptor(spec: tuple[Any, ...]) -> Callable[..., Any]:
 def _run(
     spec: tuple[Any, ...], next_fun: Callable[..., Any], args: tuple, kwargs: dict, context: Any
 ) -> Any:
-    items, positions, axis = spec
+    items = spec[0]
     state = _state(spec)
     if context.path == ():  # a new forward pass: per-call counts start again
         state.calls.clear()
     key = context.key
     state.seen.add(key)
+    for k, (target, entries) in enumerate(items):
+        site, is_input = split_input(target)
+        if is_input and split_layers(site)[0] == key:  # "blocks/1:in": the call's input
+            value = _one_input(args, target)
+            args = (_patch(spec, k, target, entries, value, args, kwargs, context),)
+            break
     out = next_fun(*args, **kwargs)
     for k, (target, entries) in enumerate(items):
-        site, layers = split_layers(target)
-        if site == key:
-            n = state.calls.get(target, 0)
-            state.calls[target] = n + 1
-            state.applied.add(target)
-            value = _value_for(key, k, out, entries[n % len(entries)], state, context)
-            mask = position_mask(positions, out.shape, axis, key)
-            if layers is not None:  # one layer of a scanned stack: "blocks/mlp[3]"
-                pred = layer_pred(context._frame, layers, (args, kwargs))
-                mask = pred if mask is None else mask & pred
-            return value if mask is None else jnp.where(mask, value, out)
+        site, is_input = split_input(target)
+        if not is_input and split_layers(site)[0] == key:
+            return _patch(spec, k, target, entries, out, args, kwargs, context)
     return out
+
+
+def split_input(target: str) -> tuple[str, bool]:
+    """A target key as ``(call-site key, whether it names the call's input)``: ``"blocks/1:in"``
+    (as ``hx.capture(..., inputs=True)`` names it) is the input of ``"blocks/1"``.
+
+    Examples:
+      >>> split_input("blocks/1:in"), split_input("blocks/1")
+      (('blocks/1', True), ('blocks/1', False))
+    """
+    if target.endswith(":in"):
+        return target[: -len(":in")], True
+    return target, False
+
+
+def _one_input(args: tuple, target: str) -> Any:
+    if len(args) != 1:
+        raise PatchError(
+            f"{WHO}: {target!r} names the input of a call that takes {len(args)} positional "
+            f"arguments; an input target is a call's one positional argument (as hx.capture "
+            f"records it). Fix: patch the output of the call site that computes it."
+        )
+    return args[0]
+
+
+def _patch(
+    spec: tuple[Any, ...],
+    k: int,
+    target: str,
+    entries: tuple,
+    out: Any,
+    args: tuple,
+    kwargs: dict,
+    context: Any,
+) -> Any:
+    """``out`` (a call's output, or its input) with the patch of ``target`` applied."""
+    _, positions, axis, shift = spec
+    state = _state(spec)
+    key = context.key
+    n = state.calls.get(target, 0)
+    state.calls[target] = n + 1
+    state.applied.add(target)
+    value = _value_for(key, k, out, entries[n % len(entries)], state, context)
+    if shift:
+        value = out + value
+    mask = position_mask(positions, out.shape, axis, key)
+    layers = split_layers(split_input(target)[0])[1]
+    if layers is not None:  # one layer of a scanned stack: "blocks/mlp[3]"
+        pred = layer_pred(context._frame, layers, (args, kwargs))
+        mask = pred if mask is None else mask & pred
+    return value if mask is None else jnp.where(mask, value, out)
 
 
 def _value_for(key: str, k: int, out: Any, entry: Any, state: _State, context: Any) -> Any:
@@ -283,7 +332,14 @@ def patching(
                 f"{WHO}: positions= takes an index, indices or a boolean mask, got dtype "
                 f"{p.dtype}. Fix: positions=3 or positions=jnp.arange(T) == 3."
             )
-    return _block((items, positions, int(axis)))
+    return _block((items, positions, int(axis), False))
+
+
+def shifting(values: Mapping[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """Like :func:`patching` (whole values), but each value is added to the target's own:
+    with zeros, differentiating with respect to them gives the targets' gradients, every
+    target's at once (a replaced value would cut the targets before it off the metric)."""
+    return _block((tuple((k, _entries(k, v)) for k, v in values.items()), None, 0, True))
 
 
 @contextlib.contextmanager
