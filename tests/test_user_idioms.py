@@ -465,3 +465,64 @@ def test_input_targets_that_do_not_fit_raise_naming_them() -> None:
         hx.patching({"two:in": XR}),
     ):
         Outer()(XR)
+
+
+# --- hx.find_nonfinite compiles once per loss function and argument shapes ---------------------
+
+
+def test_find_nonfinite_compiles_once_per_loss_function_and_shapes() -> None:
+    """Three calls on new values of the same shapes trace the loss twice in all (once to find
+    the call sites, once compiled), and still see each call's values; a re-created lambda over
+    the same objects is the same loss; new shapes compile again."""
+    from tests.test_nonfinite import MLP, mse
+
+    traces = []
+
+    def loss(model: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        traces.append(1)
+        return mse(model, x, y)
+
+    model = MLP(nnx.Rngs(0))
+    keys = jax.random.split(jax.random.key(4), 3)
+    for k in keys:
+        x, y = jax.random.normal(k, (6, 4)), jax.random.normal(k, (6, 2))
+        assert hx.find_nonfinite(loss, model, x, y) is None
+    assert len(traces) == 2
+    model.layers[1].lin.kernel[0, 0] = jnp.nan  # new values: the cached program sees them
+    for _ in range(2):  # a lambda made afresh each time, over the same function
+        found = hx.find_nonfinite(lambda m, a, b: loss(m, a, b), model, x, y)
+        assert found is not None and found.key == "layers/1/lin"
+    assert len(traces) == 4  # the lambda: a loss function of its own, compiled once
+    assert hx.find_nonfinite(loss, model, x[:3], y[:3]) is not None
+    assert len(traces) == 6
+
+
+def test_find_nonfinite_compiles_once_on_equinox_and_linen() -> None:
+    from tests.test_conformance import X, _make
+
+    for name in ("equinox", "linen"):
+        fw = _make(name)
+        traces: list[int] = []
+
+        def loss(state: Any, x: jax.Array, fw: Any = fw, traces: list[int] = traces) -> jax.Array:
+            traces.append(1)
+            return fw.loss(state, x)
+
+        for i in range(3):
+            assert hx.find_nonfinite(loss, fw.state, X * (i + 1)) is None
+        assert len(traces) == 2, name
+
+
+def test_find_nonfinite_after_a_failing_loss_function() -> None:
+    from tests.test_nonfinite import MLP, mse
+
+    model = MLP(nnx.Rngs(0))
+    x, y = jnp.ones((6, 4)), jnp.ones((6, 2))
+
+    def bad(model: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        raise ValueError("the loss failed")
+
+    with pytest.raises(ValueError, match="the loss failed"):
+        hx.find_nonfinite(bad, model, x, y)
+    assert hx.find_nonfinite(mse, model, x, y) is None
+    close(model(x), MLP(nnx.Rngs(0))(x))  # the model is as it was
