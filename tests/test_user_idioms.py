@@ -526,3 +526,71 @@ def test_find_nonfinite_after_a_failing_loss_function() -> None:
         hx.find_nonfinite(bad, model, x, y)
     assert hx.find_nonfinite(mse, model, x, y) is None
     close(model(x), MLP(nnx.Rngs(0))(x))  # the model is as it was
+
+
+# --- statistics of call sites inside a vmap in the model: over the batch ----------------------
+
+STATS_ALL = ("norm", "rms", "mean", "std", "max_abs", "frac_zero", "nonfinite")
+
+
+@pytest.mark.parametrize("mode", ["eager", "jax.jit", "nnx.jit"])
+def test_statistics_inside_a_vmap_in_the_model_are_over_the_batch(mode: str) -> None:
+    """One value per call site (not per example), equal to numpy's over the whole batch of the
+    captured values and gradients; ``std`` alone (without ``mean``) pooled exactly too."""
+    from tests.test_stats import VmapInside, assert_stats_match, mse
+
+    x = jax.random.normal(jax.random.key(1), (6, 4))
+    y = jax.random.normal(jax.random.key(2), (6, 2))
+    model = VmapInside()
+    wrap = {"eager": lambda f: f, "jax.jit": jax.jit, "nnx.jit": nnx.jit}[mode]
+    _, _, stats = wrap(lambda m, x, y: hx.value_grad_and_stats(mse, stats=STATS_ALL)(m, x, y))(
+        model, x, y
+    )
+    _, acts = hx.capture(model)(x)
+    _, _, act_grads = hx.value_and_grad(mse)(model, x, y)
+    assert stats["lin"]["act"]["norm"].shape == ()
+    assert_stats_match(stats, acts, act_grads, {})
+    _, _, std = wrap(lambda m, x, y: hx.value_grad_and_stats(mse, stats=("std",))(m, x, y))(
+        model, x, y
+    )
+    assert list(std["lin"]["act"]) == ["std"]
+    close(std["lin"]["act"]["std"], np.std(np.asarray(acts["lin"][0])))
+    close(std["lin"]["grad"]["std"], np.std(np.asarray(act_grads["lin"][0])))
+
+
+@pytest.mark.parametrize("mode", ["eager", "eqx.filter_jit"])
+def test_statistics_of_an_equinox_model_under_jax_vmap_are_over_the_batch(mode: str) -> None:
+    """The Equinox idiom: the loss runs ``jax.vmap(model)(x)``; every statistic is the whole
+    batch's (per layer), and ``per_example=True`` keeps one per example."""
+
+    def loss(model: EModel, x: jax.Array) -> jax.Array:
+        return jnp.mean(jax.vmap(model)(x) ** 2)
+
+    def step(model: EModel, x: jax.Array, per_example: bool = False) -> Any:
+        return hx.value_grad_and_stats(loss, stats=STATS_ALL, per_example=per_example)(model, x)
+
+    run = step if mode == "eager" else eqx.filter_jit(step)
+    _, _, stats = run(EModel(), XE)
+    assert stats.to_dict().keys() >= {"blocks/0", "blocks/0/lin"}
+
+    def per_block(x: jax.Array, d: jax.Array) -> jax.Array:
+        return jnp.mean(e_hand(x, lambda i, o: o + d[i])[0] ** 2)
+
+    outs = e_hand(XE)[1]
+    grads = jax.grad(per_block, argnums=1)(XE, jnp.zeros((len(W_E), B, T, D)))
+    for i in range(len(W_E)):
+        for kind, ref in (("act", outs[i]), ("grad", grads[i])):
+            got = stats[f"blocks/{i}"][kind]
+            ref = np.asarray(ref, np.float64)
+            close(got["norm"], np.linalg.norm(ref))
+            close(got["rms"], np.sqrt(np.mean(ref**2)))
+            close(got["mean"], ref.mean())
+            close(got["std"], ref.std())
+            close(got["max_abs"], np.abs(ref).max())
+            close(got["frac_zero"], np.mean(ref == 0))
+            close(got["nonfinite"], 0.0)
+    _, _, each = run(EModel(), XE, True)
+    assert each["blocks/1"]["act"]["norm"].shape == (B,)
+    close(
+        each["blocks/1"]["act"]["norm"], np.linalg.norm(np.asarray(outs[1]).reshape(B, -1), axis=1)
+    )
