@@ -465,6 +465,18 @@ def test_input_targets_that_do_not_fit_raise_naming_them() -> None:
         hx.patching({"two:in": XR}),
     ):
         Outer()(XR)
+    assert_clean()
+
+
+def assert_clean() -> None:
+    """Nothing of a failed call is left active."""
+    from hookax._engine import context as _context
+    from hookax._patching import patch as _patch
+    from hookax._transforms import tags as _tags
+
+    assert _context.active_entries() == ()
+    assert _tags.depth() == 0
+    assert _patch._LOCAL.blocks == []
 
 
 # --- hx.find_nonfinite compiles once per loss function and argument shapes ---------------------
@@ -524,6 +536,7 @@ def test_find_nonfinite_after_a_failing_loss_function() -> None:
 
     with pytest.raises(ValueError, match="the loss failed"):
         hx.find_nonfinite(bad, model, x, y)
+    assert_clean()
     assert hx.find_nonfinite(mse, model, x, y) is None
     close(model(x), MLP(nnx.Rngs(0))(x))  # the model is as it was
 

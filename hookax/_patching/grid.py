@@ -284,7 +284,9 @@ def patch_grid(
       corrupt_args: the same for the corrupted run.
       metric: ``fn``'s output -> an array (a scalar: a logit difference, a log-probability).
       where: call-site targets: a key, a path glob (``"layers/*"``: every match, in call order)
-        or a list of them; ``"path:method"`` for a method other than ``__call__``.
+        or a list of them; ``"path:method"`` for a method other than ``__call__``; ``":in"``
+        after one names the call's input as ``hx.capture(..., inputs=True)`` does
+        (``"blocks/*:in"``: the residual stream before each block).
       ops: operation targets: an address or a glob over them (``"layers/*/attn:dot_general#1"``:
         every match, in program order) or a list of them; rows after ``where=``'s. Inside a
         scanned stack, a layer suffix gives one row per layer: ``"blocks/attn[0:12]:softmax"``.

@@ -277,7 +277,8 @@ def patching(
     """Replace the outputs of call sites with given values for the duration of a ``with`` block.
 
     ``values`` maps call-site keys (as [`hx.capture`][hookax.capture] names them: ``"layers/3"``,
-    ``"encoder:encode"``) to the value their output takes: an array of the output's shape, or a
+    ``"encoder:encode"``; ``"layers/3:in"`` for the call's one positional argument) to the value
+    their output (or input) takes: an array of the output's shape, or a
     tuple with one per call (what ``hx.capture`` returns for the key: the i-th call gets the
     i-th). An array with one more leading axis than the output holds one value per run of a call
     site inside a loop: in a scan over stacked layers, layer ``l`` gets ``value[l]`` (the
@@ -287,6 +288,10 @@ def patching(
     array of indices along ``axis``; or a boolean mask ending at ``axis`` (shape ``(T,)`` over
     the positions, ``(B, T)`` over batch and positions for ``axis=1``). Elsewhere the output is
     the call's own.
+
+    Inside a ``jax.vmap`` entered within the block (Equinox's ``jax.vmap(model)(tokens)``), a
+    value with the vmap's axis in front (as ``hx.capture`` gives it) gives each example its own
+    entry, and ``positions``/``axis`` index the per-example output.
 
     Pass the values and positions as arguments of the jitted function that holds the block:
     one trace then serves them all (arrays closed over are keyed by identity, so a new array
