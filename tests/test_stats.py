@@ -165,7 +165,8 @@ class VmapInside(nnx.Module):
 def test_vmap_inside_the_model_gives_one_value_per_example(mode: str, data: Any) -> None:
     x, y = data
     model = VmapInside()
-    step = JIT[mode](lambda m, x, y: hx.value_grad_and_stats(mse, stats=ALL)(m, x, y))
+    stats_fn = hx.value_grad_and_stats(mse, stats=ALL, per_example=True)
+    step = JIT[mode](lambda m, x, y: stats_fn(m, x, y))
     _, _, stats = step(model, x, y)
     _, acts = hx.capture(model)(x)
     _, _, act_grads = hx.value_and_grad(mse)(model, x, y)

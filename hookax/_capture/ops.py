@@ -276,6 +276,8 @@ def enter_site(frame: Any, ctx: Any, entries: list[Any], fn: Callable[..., Any])
     bound.sort(key=lambda b: b.handler.action != "edit")
 
     site = Site(ctx.key, ctx.module, ctx.method, ctx.path)  # not ctx: see Site
+    if any(b.layers is not None for b in bound):
+        frame.pin_scan()  # asked again at each operation, from traces below this one
 
     def method(module: Any, *args: Any, **kwargs: Any) -> Any:
         from .._transforms.optrace import OpTrace

@@ -15,10 +15,12 @@ import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import jax
 import numpy as np
 
 from .._capture import actgrad as _actgrad
 from .._capture import capture as _capture
+from .._patching import compiled
 from .._util.errors import HookaxError
 from . import stats as _stats
 
@@ -142,8 +144,6 @@ def _sites(records: list[Any], counts: list[np.ndarray]) -> list[_Site]:
 
 def _first_param(grads: Any) -> tuple[str, int] | None:
     """The path and non-finite count of the first parameter gradient that holds one."""
-    import jax
-
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
         g = np.asarray(g)
         if np.issubdtype(g.dtype, np.inexact) and not np.isfinite(g).all():
@@ -174,7 +174,9 @@ def find_nonfinite(
     turn), then the backward pass (the reverse), then the parameters' gradients. ``None`` when
     the loss, every output and every gradient are finite. The arguments are not changed (a
     module's state updates, such as batch statistics or random-number counters, stay inside the
-    compiled copy).
+    compiled copy). The compiled step is kept: calling again with the same loss function
+    (functions compared by code and closure, as ``hx.intercept`` compares them) and arguments of
+    the same structure and shapes runs it without tracing again, so a NaN hunt pays one compile.
 
     A call site whose output does not reach the loss is seen in the forward pass only if the
     backward pass runs its rule, which JAX skips for it: select the loss's call sites.
@@ -202,8 +204,6 @@ def find_nonfinite(
       >>> print(hx.find_nonfinite(loss_fn, model, jnp.ones((4, 2))))
       forward: the output of 'layers/1' holds 4 non-finite values ('layers/0' just before it ...)
     """
-    import jax
-
     if not callable(loss_fn):
         raise HookaxError(
             f"{WHO} expects the step's loss function and its arguments, got {loss_fn!r} of type "
@@ -211,24 +211,65 @@ def find_nonfinite(
         )
     where, _ = _capture.where_and_ops(where, None, WHO)
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
+    if isinstance(where, list):
+        where = tuple(where)
+    spec = _Spec(compiled.static_key(loss_fn), compiled.static_key(where), nums, argnums, has_aux)
+    equinox = _actgrad.framework_mode(loss_fn, args, {}) == "equinox"
+    step = _step(equinox) if compiled.reusable(spec.loss_fn) else _make_step(equinox)
+    loss, grads, counts, found = step(spec, *args)
+    loss, grads, counts = jax.device_get((loss, grads, counts))
+    sites = _sites(found.records, [np.asarray(c) for c in counts])
+    return _first(sites, float(loss), grads)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    """The compiled step's static part: equal specs (and argument shapes) share one program."""
+
+    loss_fn: Any  # compiled.static_key of the loss function (functions by code and closure)
+    where: Any
+    nums: tuple[int, ...]
+    argnums: Any
+    has_aux: bool
+
+
+class _Found:
+    """The call sites' records as the trace found them (static facts, not values): a static
+    output of the compiled step, so a cached program gives them back without tracing."""
+
+    def __init__(self, records: list[Any]) -> None:
+        self.records = records
+
+
+jax.tree_util.register_static(_Found)
+
+
+def _run_step(spec: _Spec, *args: Any) -> tuple[Any, Any, Any, _Found]:
     marker = functools.partial(_stats.StatsMarker, names=("nonfinite",))
-    found: list[Any] = []  # the records, as the trace found them (static facts, not values)
+    fn, where = compiled.value_of(spec.loss_fn), compiled.value_of(spec.where)
+    value, grads, records, g = _stats.run(
+        fn, args, {}, spec.nums, spec.argnums, where, spec.has_aux, marker, WHO
+    )
+    return (value[0] if spec.has_aux else value), grads, g, _Found(records)
 
-    def step(*a: Any) -> tuple[Any, Any, list[Any]]:
-        value, grads, records, g = _stats.run(
-            loss_fn, a, {}, nums, argnums, where, has_aux, marker, WHO
-        )
-        found[:] = records
-        return (value[0] if has_aux else value), grads, g
 
-    jit: Any = jax.jit
-    if _actgrad.framework_mode(loss_fn, args, {}) == "equinox":  # modules hold non-arrays
+_STEPS: dict[bool, Any] = {}
+
+
+def _step(equinox: bool) -> Any:
+    """The compiled step (``jax.jit``; ``eqx.filter_jit`` for Equinox, whose modules hold
+    non-arrays), made once: JAX's cache then holds one program per spec and argument shapes."""
+    if equinox not in _STEPS:
+        _STEPS[equinox] = _make_step(equinox)
+    return _STEPS[equinox]
+
+
+def _make_step(equinox: bool) -> Any:
+    if equinox:
         import equinox as eqx
 
-        jit = eqx.filter_jit
-    loss, grads, counts = jax.device_get(jit(step)(*args))
-    sites = _sites(found, [np.asarray(c) for c in counts])
-    return _first(sites, float(loss), grads)
+        return eqx.filter_jit(_run_step)
+    return jax.jit(_run_step, static_argnums=0)
 
 
 def _first(sites: list[_Site], loss: float, grads: Any) -> Nonfinite | None:

@@ -15,7 +15,9 @@ gradient with respect to the dummies *is* the statistics. The dummies are the pr
 ``hx.value_and_grad``'s mechanism (``_capture.actgrad``): marked at the call site
 (``_StatsMarker``), they enter ``jit``, ``scan``, ``remat`` and ``cond`` as extra inputs, so
 a call site inside a scan over layers gets one row of statistics per layer, and a call site inside
-a ``vmap`` one per example, exactly as [`hx.capture`][hookax.capture] lays out values.
+a ``vmap`` one per example, exactly as [`hx.capture`][hookax.capture] lays out values; the
+examples' statistics are then combined into the batch's (``norm`` from the examples' norms,
+``std`` pooled from their means and deviations, ...), unless asked per example.
 """
 
 from __future__ import annotations
@@ -174,6 +176,52 @@ def _check_names(stats: Any) -> tuple[str, ...]:
     return names
 
 
+def _pooled_std(col: dict[str, Any], axes: tuple[int, ...]) -> Any:
+    m = jnp.mean(col["mean"], axes, keepdims=True)
+    spread = jnp.square(col["std"]) + jnp.square(col["mean"] - m)
+    return jnp.sqrt(jnp.mean(spread, axes))
+
+
+# name -> the statistic over a batch from the examples' ones (every example has the same
+# number of values: a vmap's); ``col`` maps each measured name to its per-example values
+_OVER_BATCH: dict[str, Callable[[dict[str, Any], tuple[int, ...]], Any]] = {
+    "norm": lambda col, axes: jnp.sqrt(jnp.sum(jnp.square(col["norm"]), axes)),
+    "rms": lambda col, axes: jnp.sqrt(jnp.mean(jnp.square(col["rms"]), axes)),
+    "mean": lambda col, axes: jnp.mean(col["mean"], axes),
+    "std": _pooled_std,
+    "max_abs": lambda col, axes: jnp.max(col["max_abs"], axes),
+    "frac_zero": lambda col, axes: jnp.mean(col["frac_zero"], axes),
+    "nonfinite": lambda col, axes: jnp.sum(col["nonfinite"], axes),
+}
+
+
+def measured(names: tuple[str, ...], per_example: bool) -> tuple[str, ...]:
+    """The statistics the taps compute for ``names``: over a batch, ``std`` needs the
+    examples' means too."""
+    if per_example or "std" not in names or "mean" in names:
+        return names
+    return (*names, "mean")
+
+
+def _over_batch(
+    v: Any, lead: int, names: tuple[str, ...], inner: tuple[str, ...], per_example: bool
+) -> Any:
+    """A record's statistics ``(*layers, *batch, 2 * len(inner))`` as ``names`` over its
+    batch axes (those of a vmap inside the model), or kept per example."""
+    axes = () if per_example else tuple(range(lead, v.ndim - 1))
+    if not axes and inner == names:
+        return v
+    m = len(inner)
+    halves = []
+    for half in (v[..., :m], v[..., m:]):  # the output's, then the gradient's
+        col = {n: half[..., i] for i, n in enumerate(inner)}
+        if axes:
+            halves += [_OVER_BATCH[n](col, axes) for n in names]
+        else:
+            halves += [col[n] for n in names]
+    return jnp.stack(halves, axis=-1)
+
+
 def layer_axes(axes: tuple[tuple[str, Any], ...]) -> int:
     """How many leading axes of a record are layers (``scan``) or shards (``shard_map``)."""
     return sum(1 for kind, _ in axes if kind in ("scan", "shard_map"))
@@ -186,6 +234,7 @@ def value_grad_and_stats(
     where: Any = None,
     stats: Any = DEFAULT_STATS,
     has_aux: bool = False,
+    per_example: bool = False,
 ) -> Callable[..., tuple[Any, Any, Stats]]:
     """Like ``value_and_grad``, plus statistics of each selected call site's output and gradient.
 
@@ -194,7 +243,11 @@ def value_grad_and_stats(
     ``hx.value_and_grad``); ``stats[key]["act"][name]`` is a statistic of that call
     site's output and ``stats[key]["grad"][name]`` the same statistic of d loss / d (that output),
     float32, reduced inside the step: a scalar per call, one value per layer for a call site
-    inside a scan over layers (leading axis), per example inside a ``vmap`` in the model. A call
+    inside a scan over layers (leading axis). A call site inside a ``vmap`` in the model (an
+    Equinox model run as ``jax.vmap(model)(x)`` inside the loss) gets its statistics over the
+    whole batch, as an unbatched layer would (``per_example=True`` keeps one value per example,
+    the vmaps' axes after the layers'); a ``vmap`` around the whole step gives one value per
+    example, as it gives every other value. A call
     site called several times gets its calls stacked on a new leading axis. The statistics of a
     call site's floating outputs are taken over all of them together (integer outputs are left
     out; a call site with none has no entry). ``stats`` is an [`hx.Stats`][hookax.Stats], a
@@ -217,6 +270,8 @@ def value_grad_and_stats(
       where: which call sites (any ``where=`` selector); default every module's ``__call__``.
       stats: names of the statistics, in the order they are computed.
       has_aux: whether ``fn`` returns ``(loss, aux)``.
+      per_example: keep the statistics of a call site inside a ``vmap`` in the model per
+        example instead of over the batch.
 
     Returns:
       A function of ``fn``'s arguments returning ``(loss, grads, stats)``.
@@ -243,12 +298,13 @@ def value_grad_and_stats(
     names = _check_names(stats)
     where, _ = _capture.where_and_ops(where, None, WHO)  # a malformed where= raises here
     nums = argnums if isinstance(argnums, tuple) else (argnums,)
-    marker = functools.partial(StatsMarker, names=names)
+    inner = measured(names, per_example)
+    marker = functools.partial(StatsMarker, names=inner)
 
     @functools.wraps(fn)
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, Any, Stats]:
         value, grads, records, g = run(fn, args, kwargs, nums, argnums, where, has_aux, marker)
-        return value, grads, layout(records, g, names)
+        return value, grads, layout(records, g, names, inner, per_example)
 
     return wrapped
 
@@ -277,11 +333,19 @@ def run(
     return value, grads, records, [leaves[0] for leaves in g[-1]]
 
 
-def layout(records: list[Any], g: list[Any], names: tuple[str, ...]) -> Stats:
-    """``Stats`` from the dummies' gradients, keys in the order their first call ended;
-    several calls of one call site stacked on a new leading axis."""
+def layout(
+    records: list[Any],
+    g: list[Any],
+    names: tuple[str, ...],
+    inner: tuple[str, ...] | None = None,
+    per_example: bool = False,
+) -> Stats:
+    """``Stats`` from the dummies' gradients (the statistics ``inner``, default ``names``),
+    keys in the order their first call ended; several calls of one call site stacked on a new
+    leading axis; a vmap's axes reduced over unless ``per_example``."""
     per_key: dict[str, list[Any]] = {}
     for (key, _, _, (axes, layered)), v in zip(records, g):
+        v = _over_batch(v, layer_axes(axes), names, inner or names, per_example)
         # a one-layer selection ("blocks/lin[2]") stacked over its scan: one key per layer
         for k, part in _capture.layer_split(key, v, axes, layered):
             per_key.setdefault(k, []).append(part)

@@ -237,6 +237,25 @@ def _in_linen_scan_prepass() -> bool:
     return False
 
 
+def vmaps_between(trace: Any, stop: Any) -> list[Any]:
+    """The ``jax.vmap`` traces (``BatchTrace``) from ``stop`` (excluded) down to ``trace``,
+    outermost first: the vmaps a value made outside ``stop`` is batched by in ``trace``."""
+    found = []
+    t = trace
+    while t is not None and t is not stop:
+        if type(t).__name__ == "BatchTrace":
+            found.append(t)
+        t = _parent(t)
+    return found[::-1]
+
+
+def _parent(trace: Any) -> Any:
+    """The trace ``trace`` was entered in: JAX's ``parent_trace``, or the ``parent`` of
+    hookax's forwarding traces (capture's, an operation walker's)."""
+    parent = getattr(trace, "parent_trace", None)
+    return parent if parent is not None else getattr(trace, "parent", None)
+
+
 # Set by :mod:`hookax._hooks.layergate`: ``fn(frame) -> traced int | None``.
 layer_of: list[Callable[[Frame], Any]] = [lambda frame: None]
 
@@ -255,6 +274,8 @@ class Frame:
         "module",
         "outer_trace",
         "parent",
+        "scanned",
+        "trace",
     )
 
     def __init__(self, module: Any, method: str, parent: Frame | None, adapter: Any) -> None:
@@ -270,10 +291,22 @@ class Frame:
         self.args: Any = None
         self.layer: Any = None
         # The root's: the JAX trace its call started in (a scan entered below it runs layers).
-        self.outer_trace: Any = current_trace() if parent is None else None
+        self.trace: Any = current_trace()  # the JAX trace the call started in
+        self.outer_trace: Any = self.trace if parent is None else None
+        # Whether the call runs inside a scan, once pinned (see pin_scan).
+        self.scanned: bool | None = None
+
+    def pin_scan(self) -> None:
+        """Decide :meth:`in_scan` now, at the call's own trace, for questions asked later from
+        traces nested below it: an operation's value is seen inside the re-traced body of an
+        inlined ``jax.numpy`` function, a trace with no link to the scan the call runs in."""
+        if self.scanned is None:
+            self.scanned = self.in_scan()
 
     def in_scan(self) -> bool:
         """Whether this call runs inside a ``lax.scan`` entered within the root's call."""
+        if self.scanned is not None:
+            return self.scanned
         root = self
         while root.parent is not None:
             root = root.parent
@@ -285,7 +318,7 @@ class Frame:
                 return True
             if type(t).__name__ == "JaxprTrace" and _in_linen_scan_prepass():
                 return True
-            t = getattr(t, "parent_trace", None)
+            t = _parent(t)
         return False
 
     def _roots(self) -> Iterator[Frame]:

@@ -20,7 +20,7 @@ from .._capture.actgrad import value_and_grad
 from . import compiled, targets
 from .grid import Plan, capture_targets
 from .heads import patch_mask
-from .patch import PatchError, position_mask
+from .patch import PatchError, position_mask, shifting, split_input
 
 __all__ = ["attribution_patch"]
 
@@ -46,10 +46,19 @@ class _Closed:
     fn: Any
 
 
-def _loss(metric: Callable[[Any], Any], keys: list[str], ops: list[str]) -> Callable[..., Any]:
-    def loss(_: Any, fn: Any, *args: Any) -> tuple[Any, Any]:
+def _loss(
+    metric: Callable[[Any], Any], keys: list[str], ops: list[str], inputs: list[str]
+) -> Callable[..., Any]:
+    """The metric and the targets' values; ``deltas`` (zeros) are added to the inputs named in
+    ``inputs`` (``"key:in"``), so their gradients are the inputs' gradients."""
+
+    def loss(deltas: Any, fn: Any, *args: Any) -> tuple[Any, Any]:
         fn = fn.fn if isinstance(fn, _Closed) else fn
-        y, acts = capture_targets(fn, keys, ops)(*args)
+        if inputs:
+            with shifting(deltas):
+                y, acts = capture_targets(fn, keys, ops)(*args)
+        else:
+            y, acts = capture_targets(fn, keys, ops)(*args)
         m = metric(y)
         if jnp.shape(m) != ():
             raise PatchError(
@@ -101,15 +110,22 @@ def _project(term: Any, cols: Any, shape: tuple[int, ...], axis: int, key: str) 
 def _attribute(spec: _Spec, dyn: list[Any], clean: dict[str, Any], cols: Any) -> Any:
     fn, args = compiled.join(dyn, spec.rest)
     keys, ops = list(spec.keys), list(spec.ops)
-    loss = _loss(compiled.value_of(spec.metric), keys, ops)
-    zero = jnp.zeros((), jnp.float32)  # differentiated (argnums=0), so the model is not
+    sites = [k for k in keys if k not in ops]
+    inputs = [k for k in sites if split_input(k)[1]]
+    loss = _loss(compiled.value_of(spec.metric), keys, ops, inputs)
+    # Differentiated (argnums=0), so the model is not: a zero, or for inputs ("key:in") zeros
+    # added to them (one per call, as their clean values), whose gradients are theirs.
+    deltas: Any = jnp.zeros((), jnp.float32)
+    if inputs:
+        deltas = {k: tuple(jnp.zeros(v.shape, jnp.float32) for v in clean[k]) for k in inputs}
     # A module goes in as an argument (NNX transforms inside it need it at this trace level);
     # a function without arrays (Linen's apply) as an empty pytree that holds it.
     held = fn if any(compiled.is_array(x) for x in jax.tree.leaves(fn)) else _Closed(fn)
-    sites = [k for k in keys if k not in ops]
     where = {"where": targets.selector(sites)} if sites else {}
     grad = value_and_grad(loss, **where, ops=ops or None, has_aux=True)
-    (_, corrupt), _, grads = grad(zero, held, *args)
+    (_, corrupt), input_grads, grads = grad(deltas, held, *args)
+    if inputs:
+        grads = {**grads, **input_grads}
     rows = []
     for key, shape in zip(spec.keys, spec.shapes):
         term = _term(key, shape, clean[key], corrupt[key], grads[key])

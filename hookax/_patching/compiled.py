@@ -21,7 +21,7 @@ import numpy as np
 
 from .._util.fnkey import FnKey
 
-__all__ = ["Static", "join", "split", "static_key", "value_of"]
+__all__ = ["Static", "join", "reusable", "split", "static_key", "value_of"]
 
 
 def is_array(x: Any) -> bool:
@@ -35,6 +35,12 @@ class _Once:
 
     def __init__(self, obj: Any) -> None:
         self.obj = obj
+
+
+def reusable(key: Any) -> bool:
+    """Whether a :func:`static_key` may pick a compiled program again (not a function that
+    closes over an NNX module)."""
+    return not isinstance(key, _Once)
 
 
 class _ById:

@@ -29,7 +29,7 @@ from .._capture.ops import intercept_op
 from .._util.errors import HookaxError
 from . import compiled, targets
 from .heads import check_heads, discover_ops, full_mask, op_edit
-from .patch import PatchError, patching
+from .patch import PatchError, patching, split_input
 
 __all__ = ["Plan", "patch_grid"]
 
@@ -52,13 +52,15 @@ class _GridSpec:
 
 
 def capture_targets(fn: Any, keys: list[str], ops: list[str]) -> Callable[..., Any]:
-    """``hx.capture`` of the call sites ``keys`` and the operations ``ops``."""
+    """``hx.capture`` of the call sites ``keys`` (their inputs for ``"key:in"``) and the
+    operations ``ops``."""
     sites = [k for k in keys if k not in ops]
+    inputs = {"inputs": True} if any(split_input(k)[1] for k in sites) else {}
     if not ops:
-        return capture(fn, where=targets.selector(sites))
+        return capture(fn, where=targets.selector(sites), **inputs)
     if not sites:
         return capture(fn, ops=ops)
-    return capture(fn, where=targets.selector(sites), ops=ops)
+    return capture(fn, where=targets.selector(sites), ops=ops, **inputs)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
@@ -315,7 +317,9 @@ def patch_grid(
       corrupt_args: the same for the corrupted run.
       metric: ``fn``'s output -> an array (a scalar: a logit difference, a log-probability).
       where: call-site targets: a key, a path glob (``"layers/*"``: every match, in call order)
-        or a list of them; ``"path:method"`` for a method other than ``__call__``.
+        or a list of them; ``"path:method"`` for a method other than ``__call__``; ``":in"``
+        after one names the call's input as ``hx.capture(..., inputs=True)`` does
+        (``"blocks/*:in"``: the residual stream before each block).
       ops: operation targets: an address or a glob over them (``"layers/*/attn:dot_general#1"``:
         every match, in program order) or a list of them; rows after ``where=``'s. Inside a
         scanned stack, a layer suffix gives one row per layer: ``"blocks/attn[0:12]:softmax"``.

@@ -18,10 +18,11 @@ import numpy as np
 
 from .._capture.capture import capture
 from .._capture.ops import intercept_op, parse_ops
+from .._engine import context as _context
 from .._engine.select import glob_to_regex, split_layers, split_method
 from .._util.errors import SelectorError
 from . import compiled
-from .patch import PatchError, position_mask
+from .patch import PatchError, per_example, position_mask
 
 __all__ = ["check_heads", "discover_ops", "op_edit", "patch_mask"]
 
@@ -57,11 +58,16 @@ def discover_ops(fn: Any, args: tuple[Any, ...], ops: Any, who: str) -> dict[str
         return hit
 
     per_call: dict[str, Any] = {}  # an operation's value at one call (one layer of a scan)
+    batched: dict[str, tuple[int, ...]] = {}  # the sizes of the vmaps around it, in the run
+    top: list[Any] = []
 
     def record(value: Any, op: Any) -> None:
         per_call.setdefault(op.address, getattr(value, "shape", None))
+        vmaps = _context.vmaps_between(_context.call_stack()[-1].trace, top[0])
+        batched.setdefault(op.address, tuple(v.axis_data.size for v in vmaps))
 
     def run(dyn: list[Any]) -> Any:
+        top.append(_context.current_trace())
         f, a = compiled.join(dyn, rest)
         with intercept_op(record, ops=texts):
             return capture(f, ops=texts)(*a)[1]
@@ -70,12 +76,16 @@ def discover_ops(fn: Any, args: tuple[Any, ...], ops: Any, who: str) -> dict[str
         found = jax.eval_shape(run, dyn)
     except SelectorError as e:  # name the caller, not the capture it runs
         text = str(e)
-        raise SelectorError(who + text[len("hx.capture") :]) from None
+        if text.startswith("hx.capture"):
+            text = text[len("hx.capture") :]
+        else:
+            text = f": {text}"
+        raise SelectorError(who + text) from None
     out: dict[str, Any] = {}
     for text in texts:
         for key, values in found.items():
             if key not in out and _matches(text, key):
-                out[key] = _one_shape(key, values, who)
+                out[key] = _unbatched(_one_shape(key, values, who), key, batched)
                 _check_unstacked(key, out[key], per_call, who)
     while len(_SHAPES) >= 4:  # it holds the function's static part (a model): a few only
         del _SHAPES[next(iter(_SHAPES))]
@@ -93,6 +103,17 @@ def _one_shape(key: str, values: tuple[Any, ...], who: str) -> Any:
             f"array of one shape at every call. Fix: target an operation that is."
         )
     return jax.ShapeDtypeStruct(first.shape, first.dtype)
+
+
+def _unbatched(spec: Any, key: str, batched: dict[str, tuple[int, ...]]) -> Any:
+    """An operation's value inside ``jax.vmap(model)`` as one example has it (capture adds
+    the vmaps' axes in front; patches index the per-example value)."""
+    site, _, op = key.rpartition(":")
+    path, method = split_method(site)
+    sizes = batched.get(f"{split_layers(path)[0]}{':' + method if method else ''}:{op}", ())
+    if sizes and tuple(spec.shape[: len(sizes)]) == sizes:
+        return jax.ShapeDtypeStruct(spec.shape[len(sizes) :], spec.dtype)
+    return spec
 
 
 def _check_unstacked(key: str, spec: Any, per_call: dict[str, Any], who: str) -> None:
@@ -173,10 +194,12 @@ def op_edit(
     """The ``hx.intercept_op`` edit that puts ``entries`` (one clean value per call, in call
     order) into the operation ``key`` under the patch's mask."""
     calls = [0]  # the calls of the operation in this trace of the forward
+    block_trace = _context.current_trace()
 
     def patch_op(value: Any, op: Any) -> Any:
         clean = entries[calls[0] % len(entries)]
         calls[0] += 1
+        clean = per_example(clean, value.shape, _context.call_stack()[-1], block_trace)
         if clean.shape != value.shape:
             raise PatchError(
                 f"hx.patch_grid: operation {key!r} has a value of shape {tuple(value.shape)} "

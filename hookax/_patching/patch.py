@@ -25,7 +25,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.interpreters import batching as _batching
 
+from .._engine import context as _context
 from .._engine.select import split_layers
 from .._hooks.intercept import intercept
 from .._hooks.layergate import layer_pred
@@ -44,10 +46,11 @@ class PatchError(HookaxError, ValueError):
 class _State:
     """One active block: its spec, and what happened while it ran."""
 
-    __slots__ = ("applied", "calls", "counts", "seen", "spec")
+    __slots__ = ("applied", "calls", "counts", "seen", "spec", "trace")
 
     def __init__(self, spec: tuple[Any, ...], counts: Any) -> None:
         self.spec = spec
+        self.trace = _context.current_trace()  # where the block was entered (see per_example)
         self.counts = counts  # a jax reference of int32[n_keys]: runs of each stacked key
         self.calls: dict[str, int] = {}  # calls of each key in the current forward (trace time)
         self.seen: set[str] = set()
@@ -91,26 +94,75 @@ def _interceptor(spec: tuple[Any, ...]) -> Callable[..., Any]:
 def _run(
     spec: tuple[Any, ...], next_fun: Callable[..., Any], args: tuple, kwargs: dict, context: Any
 ) -> Any:
-    items, positions, axis = spec
+    items = spec[0]
     state = _state(spec)
     if context.path == ():  # a new forward pass: per-call counts start again
         state.calls.clear()
     key = context.key
     state.seen.add(key)
+    for k, (target, entries) in enumerate(items):
+        site, is_input = split_input(target)
+        if is_input and split_layers(site)[0] == key:  # "blocks/1:in": the call's input
+            value = _one_input(args, target)
+            args = (_patch(spec, k, target, entries, value, args, kwargs, context),)
+            break
     out = next_fun(*args, **kwargs)
     for k, (target, entries) in enumerate(items):
-        site, layers = split_layers(target)
-        if site == key:
-            n = state.calls.get(target, 0)
-            state.calls[target] = n + 1
-            state.applied.add(target)
-            value = _value_for(key, k, out, entries[n % len(entries)], state, context)
-            mask = position_mask(positions, out.shape, axis, key)
-            if layers is not None:  # one layer of a scanned stack: "blocks/mlp[3]"
-                pred = layer_pred(context._frame, layers, (args, kwargs))
-                mask = pred if mask is None else mask & pred
-            return value if mask is None else jnp.where(mask, value, out)
+        site, is_input = split_input(target)
+        if not is_input and split_layers(site)[0] == key:
+            return _patch(spec, k, target, entries, out, args, kwargs, context)
     return out
+
+
+def split_input(target: str) -> tuple[str, bool]:
+    """A target key as ``(call-site key, whether it names the call's input)``: ``"blocks/1:in"``
+    (as ``hx.capture(..., inputs=True)`` names it) is the input of ``"blocks/1"``.
+
+    Examples:
+      >>> split_input("blocks/1:in"), split_input("blocks/1")
+      (('blocks/1', True), ('blocks/1', False))
+    """
+    if target.endswith(":in"):
+        return target[: -len(":in")], True
+    return target, False
+
+
+def _one_input(args: tuple, target: str) -> Any:
+    if len(args) != 1:
+        raise PatchError(
+            f"{WHO}: {target!r} names the input of a call that takes {len(args)} positional "
+            f"arguments; an input target is a call's one positional argument (as hx.capture "
+            f"records it). Fix: patch the output of the call site that computes it."
+        )
+    return args[0]
+
+
+def _patch(
+    spec: tuple[Any, ...],
+    k: int,
+    target: str,
+    entries: tuple,
+    out: Any,
+    args: tuple,
+    kwargs: dict,
+    context: Any,
+) -> Any:
+    """``out`` (a call's output, or its input) with the patch of ``target`` applied."""
+    _, positions, axis, shift = spec
+    state = _state(spec)
+    key = context.key
+    n = state.calls.get(target, 0)
+    state.calls[target] = n + 1
+    state.applied.add(target)
+    value = _value_for(key, k, out, entries[n % len(entries)], state, context)
+    if shift:
+        value = out + value
+    mask = position_mask(positions, out.shape, axis, key)
+    layers = split_layers(split_input(target)[0])[1]
+    if layers is not None:  # one layer of a scanned stack: "blocks/mlp[3]"
+        pred = layer_pred(context._frame, layers, (args, kwargs))
+        mask = pred if mask is None else mask & pred
+    return value if mask is None else jnp.where(mask, value, out)
 
 
 def _value_for(key: str, k: int, out: Any, entry: Any, state: _State, context: Any) -> Any:
@@ -120,7 +172,7 @@ def _value_for(key: str, k: int, out: Any, entry: Any, state: _State, context: A
             f"{WHO}: call site {key!r} returned a {type(out).__name__}; only array outputs can "
             f"be patched. Fix: patch a call site inside it that returns an array."
         )
-    value = jnp.asarray(entry)
+    value = per_example(jnp.asarray(entry), out.shape, context._frame, state.trace)
     if value.shape == out.shape:
         return value.astype(out.dtype)
     if value.ndim == out.ndim + 1 and value.shape[1:] == out.shape:
@@ -139,6 +191,21 @@ def _value_for(key: str, k: int, out: Any, entry: Any, state: _State, context: A
         f"of a scanned stack, as hx.capture stacks them). Fix: pass the call site's own "
         f"captured value, hx.capture(fn, where={key!r})(*args)[1][{key!r}]."
     )
+
+
+def per_example(value: Any, shape: tuple[int, ...], frame: Any, block_trace: Any) -> Any:
+    """``value`` as each example of the vmaps around the call sees it.
+
+    A call site inside a vmap entered within the block (Equinox's ``jax.vmap(model)(tokens)``)
+    has per-example outputs of ``shape``, while its captured value holds every example, the
+    vmaps' axes first (as ``hx.capture`` stacks them). Each such leading axis becomes that
+    vmap's batch axis, so example ``i`` gets ``value[i]``; other values are returned as they are.
+    """
+    for vmap in _context.vmaps_between(frame.trace, block_trace):
+        if value.ndim <= len(shape) or value.shape[0] != vmap.axis_data.size:
+            break
+        value = _batching.BatchTracer(vmap, value, 0)
+    return value
 
 
 def position_mask(positions: Any, shape: tuple[int, ...], axis: int, key: str) -> Any:
@@ -210,7 +277,8 @@ def patching(
     """Replace the outputs of call sites with given values for the duration of a ``with`` block.
 
     ``values`` maps call-site keys (as [`hx.capture`][hookax.capture] names them: ``"layers/3"``,
-    ``"encoder:encode"``) to the value their output takes: an array of the output's shape, or a
+    ``"encoder:encode"``; ``"layers/3:in"`` for the call's one positional argument) to the value
+    their output (or input) takes: an array of the output's shape, or a
     tuple with one per call (what ``hx.capture`` returns for the key: the i-th call gets the
     i-th). An array with one more leading axis than the output holds one value per run of a call
     site inside a loop: in a scan over stacked layers, layer ``l`` gets ``value[l]`` (the
@@ -220,6 +288,10 @@ def patching(
     array of indices along ``axis``; or a boolean mask ending at ``axis`` (shape ``(T,)`` over
     the positions, ``(B, T)`` over batch and positions for ``axis=1``). Elsewhere the output is
     the call's own.
+
+    Inside a ``jax.vmap`` entered within the block (Equinox's ``jax.vmap(model)(tokens)``), a
+    value with the vmap's axis in front (as ``hx.capture`` gives it) gives each example its own
+    entry, and ``positions``/``axis`` index the per-example output.
 
     Pass the values and positions as arguments of the jitted function that holds the block:
     one trace then serves them all (arrays closed over are keyed by identity, so a new array
@@ -265,7 +337,14 @@ def patching(
                 f"{WHO}: positions= takes an index, indices or a boolean mask, got dtype "
                 f"{p.dtype}. Fix: positions=3 or positions=jnp.arange(T) == 3."
             )
-    return _block((items, positions, int(axis)))
+    return _block((items, positions, int(axis), False))
+
+
+def shifting(values: Mapping[str, Any]) -> contextlib.AbstractContextManager[None]:
+    """Like :func:`patching` (whole values), but each value is added to the target's own:
+    with zeros, differentiating with respect to them gives the targets' gradients, every
+    target's at once (a replaced value would cut the targets before it off the metric)."""
+    return _block((tuple((k, _entries(k, v)) for k, v in values.items()), None, 0, True))
 
 
 @contextlib.contextmanager

@@ -30,11 +30,11 @@ from .._util.errors import SelectorError
 from .._util.fnkey import FnKey
 from .._util.specs import describe, describe_tree
 from . import compiled
-from .patch import PatchError, position_mask
+from .patch import PatchError, position_mask, split_input
 
 __all__ = ["Target", "columns", "discover", "expand", "selector", "where_keys"]
 
-Target = tuple[str, str]  # (path glob, method)
+Target = tuple[str, str, bool]  # (path glob, method, whether the call's input is the target)
 _SHAPES: dict[Any, dict[str, list[Any]]] = {}
 
 
@@ -50,17 +50,18 @@ def parse(where: Any, who: str) -> list[Target]:
     for item in items:
         if not isinstance(item, str):
             raise SelectorError(f"{who}: where= entries are strings like 'layers/3', got {item!r}.")
-        path, method = split_method(item)
+        site, is_input = split_input(item)  # "blocks/1:in": the input of "blocks/1"
+        path, method = split_method(site)
         if path:
             check_glob(split_layers(path)[0])  # "blocks/mlp[3]": one layer of a scanned stack
-        out.append((path, method or "__call__"))
+        out.append((path, method or "__call__", is_input))
     return out
 
 
 def selector(keys: list[str]) -> Any:
     """A selector picking exactly these call-site keys (for ``hx.capture``)."""
     sel: Any = None
-    for key in keys:
+    for key in dict.fromkeys(split_input(k)[0] for k in keys):
         path, method = split_method(key)
         one = Select(paths=path, methods=method or "__call__")
         sel = one if sel is None else sel | one
@@ -81,10 +82,9 @@ def discover(fn: Any, args: tuple[Any, ...]) -> dict[str, list[Any]]:
         next_fun: Callable[..., Any], args: tuple, kwargs: dict[str, Any], context: Any
     ) -> Any:
         calls = found.setdefault(context.key, [])  # keys in the order their first call started
+        found.setdefault(f"{context.key}:in", []).append(_spec(args[0] if len(args) == 1 else args))
         out = next_fun(*args, **kwargs)
-        calls.append(
-            jax.ShapeDtypeStruct(out.shape, out.dtype) if hasattr(out, "shape") else _Other(out)
-        )
+        calls.append(_spec(out))
         return out
 
     def run(dyn: list[Any]) -> Any:
@@ -99,27 +99,38 @@ def discover(fn: Any, args: tuple[Any, ...]) -> dict[str, list[Any]]:
     return found
 
 
+def _spec(value: Any) -> Any:
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return jax.ShapeDtypeStruct(value.shape, value.dtype)
+    return _Other(value)
+
+
 def expand(targets: list[Target], found: dict[str, list[Any]], who: str) -> list[str]:
     """The keys ``targets`` name, in call order within each; one that names none raises."""
     keys: list[str] = []
-    for target, method in targets:
+    sites = [k for k in found if not split_input(k)[1]]
+    for target, method, is_input in targets:
         path, layers = split_layers(target)
         rx = glob_to_regex(path) if path else None
         hits = [
             k
-            for k in found
+            for k in sites
             if (k.partition(":")[2] or "__call__") == method
             and (rx.fullmatch(k.partition(":")[0]) if rx else k.partition(":")[0] == "")
         ]
         if not hits:
             text = target if method == "__call__" else f"{target}:{method}"
-            near = difflib.get_close_matches(text, list(found), n=6, cutoff=0.0) or list(found)[:6]
+            text += ":in" if is_input else ""
+            ran = [f"{k}:in" for k in sites] if is_input else sites
+            near = difflib.get_close_matches(text, ran, n=6, cutoff=0.0) or ran[:6]
             raise SelectorError(
                 f"{who}: where={text!r} matched no call site; those that ran include "
                 f"{', '.join(repr(k) for k in near)}. Fix: use a key as hx.capture names it."
             )
         if layers is not None:  # one key per layer, the way hx.capture names them
             hits = [_layer_key(k, i) for k in hits for i in sorted(layers)]
+        if is_input:
+            hits = [f"{k}:in" for k in hits]
         keys += [k for k in hits if k not in keys]
     return keys
 
@@ -131,9 +142,10 @@ def _layer_key(key: str, layer: int) -> str:
 
 
 def site_of(key: str) -> str:
-    """The call-site key of a target key: its layer suffix dropped."""
-    path, method = split_method(key)
-    return split_layers(path)[0] + (f":{method}" if method else "")
+    """The key ``found`` holds a target key under: its layer suffix dropped (``":in"`` kept)."""
+    site, is_input = split_input(key)
+    path, method = split_method(site)
+    return split_layers(path)[0] + (f":{method}" if method else "") + (":in" if is_input else "")
 
 
 class _Other:
@@ -148,22 +160,27 @@ class _Other:
 
 
 def out_spec(key: str, found: dict[str, list[Any]], who: str) -> Any:
-    """The output shape of ``key``'s first call; its calls must all have one array shape."""
+    """The output (or input, for ``"key:in"``) shape of ``key``'s first call; its calls must
+    all have one array shape."""
     specs = found[site_of(key)]
-    fix = (
-        "Fix: target a call site inside it that returns one array, or an operation with ops= "
-        "(hx.ops lists them; a block's residual stream is its last add)."
-    )
+    site, is_input = split_input(key)
+    if is_input:
+        what, fix = f"the input of call site {site!r} is", "Fix: target the output of its caller."
+    else:
+        what = f"call site {key!r} returns"
+        fix = (
+            "Fix: target a call site inside it that returns one array, or an operation with "
+            "ops= (hx.ops lists them; a block's residual stream is its last add)."
+        )
     other = next((s for s in specs if isinstance(s, _Other)), None)
     if other is not None:
         raise PatchError(
-            f"{who}: call site {key!r} returns {other!r}, not one array; a patching target's "
-            f"output must be one array. {fix}"
+            f"{who}: {what} {other!r}, not one array; a patching target must be one array. {fix}"
         )
     if any(s.shape != specs[0].shape for s in specs):
         raise PatchError(
-            f"{who}: call site {key!r} returns arrays of different shapes at its calls "
-            f"({', '.join(describe(s) for s in specs)}); a patching target's output has one "
+            f"{who}: {what} arrays of different shapes at its calls "
+            f"({', '.join(describe(s) for s in specs)}); a patching target has one "
             f"shape at every call. {fix}"
         )
     return specs[0]
