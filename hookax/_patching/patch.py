@@ -25,13 +25,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.interpreters import batching as _batching
 
 from .._engine import context as _context
 from .._engine.select import split_layers
 from .._hooks.intercept import intercept
 from .._hooks.layergate import layer_pred
 from .._util.errors import HookaxError, SelectorError
+from .._util.jaxcompat import batching as _batching
 
 __all__ = ["PatchError", "patching", "position_mask"]
 
