@@ -11,8 +11,9 @@ from pathlib import Path
 import jax
 import pytest
 
-# The griffe extension that mkdocs.yml loads holds no examples, and needs griffe (a docs extra).
-collect_ignore = ["griffe_defaults.py"]
+# The griffe extension and the hook that mkdocs.yml loads hold no examples (and need the docs
+# extra).
+collect_ignore = ["griffe_defaults.py", "cli_help.py"]
 
 
 @pytest.fixture(autouse=True)
