@@ -273,8 +273,8 @@ def patch_grid(
     computed once per chunk), at most ``chunk_size`` patches per target per program call
     (memory grows linearly with it: [benchmarks](../benchmarks.md#activation-patching)).
     Programs are reused by later calls with the same structure, shapes, ``fn`` and ``metric``
-    (functions compared by code and closure, as [`hx.intercept`][hookax.intercept] compares them); pass
-    the model as ``fn``, or among the arguments, rather than closed over.
+    (functions compared by code and closure, as [`hx.intercept`][hookax.intercept] compares
+    them); pass the model as ``fn``, or among the arguments, rather than closed over.
 
     Args:
       fn: a module or a function of arrays (e.g. Linen's ``model.apply``).
