@@ -49,9 +49,7 @@ def text(fragment: str) -> str:
     return html.unescape(TAG.sub("", fragment))
 
 
-API_PAGES = sorted(
-    p for p in (DOCS / "reference").glob("*.md") if "::: hookax." in p.read_text()
-)
+API_PAGES = sorted(p for p in (DOCS / "reference").glob("*.md") if "::: hookax." in p.read_text())
 
 
 def api_names(page: Path) -> list[str]:
@@ -222,8 +220,7 @@ def code_lines(site: Path) -> dict[str, list[str]]:
 def test_no_code_line_is_wider_than_88_columns(site: Path) -> None:
     """A code block wider than the page's column is cut and needs sideways scrolling."""
     wide = {
-        page: [line for line in lines if len(line) > 88]
-        for page, lines in code_lines(site).items()
+        page: [line for line in lines if len(line) > 88] for page, lines in code_lines(site).items()
     }
     wide = {page: lines for page, lines in wide.items() if lines}
     assert wide == {}, "\n".join(f"{p}: {len(v)} lines, {v[0]!r}" for p, v in wide.items())
