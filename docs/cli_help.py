@@ -7,27 +7,24 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
+ROOT = Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"^<!-- hookax-help ?([\w-]*) -->$", re.M)
 
 
 def help_text(sub: str, columns: int = 88) -> str:
-    from hookax._cli.main import _parser
-
-    old = os.environ.get("COLUMNS")
-    os.environ["COLUMNS"] = str(columns)
-    try:
-        p = _parser()
-        if sub:
-            (subs,) = [a for a in p._actions if a.__class__.__name__ == "_SubParsersAction"]
-            p = subs.choices[sub]
-        return p.format_help().rstrip()
-    finally:
-        if old is None:
-            del os.environ["COLUMNS"]
-        else:
-            os.environ["COLUMNS"] = old
+    """``hookax SUB --help`` of this checkout, in a process of its own (the hookax that mkdocs
+    may have imported could be another installation's)."""
+    env = {**os.environ, "COLUMNS": str(columns), "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-m", "hookax", *([sub] if sub else []), "--help"]
+    run = subprocess.run(
+        argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120, check=True
+    )
+    return run.stdout.rstrip()
 
 
 def on_page_markdown(markdown: str, **kwargs: Any) -> str:

@@ -59,7 +59,7 @@ class SiteStats(Mapping[str, dict[str, Any]]):
         return f"SiteStats({_plain(dict(self))!r})"
 
     def grid(self) -> Any:
-        """This call site's table (see :meth:`Stats.grid`)."""
+        """This call site's table (as `Stats.grid` draws it)."""
         return _grid([(None, self.array)], self.names)
 
     def __str__(self) -> str:
@@ -179,7 +179,7 @@ def _plain(tree: Any) -> Any:
 
 
 def _grid(sites: list[tuple[str | None, Any]], names: tuple[str, ...]) -> Any:
-    """The rows of :meth:`Stats.grid`: each key, each index of its leading axes, each kind."""
+    """The table of `Stats.grid`: each key, each index of its leading axes, each kind."""
     import numpy as np
 
     from .._util.display import Grid
