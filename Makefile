@@ -8,7 +8,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export NO_MKDOCS_2_WARNING := 1
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: demo test test-newest test-oldest test-slow test-wheel test-py312 test-py313 test-latest lint typecheck docs bench lock install-dev install compat
+.PHONY: demo dist test test-newest test-oldest test-slow test-wheel test-py312 test-py313 test-latest lint typecheck docs bench lock install-dev install compat
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3)"; exit 1; }
@@ -29,6 +29,13 @@ install-dev: $(VENV)/.installed-dev
 
 demo: $(VENV)/.installed-cli
 	$(BIN)/hookax summary --example transformer
+
+# The source distribution and the wheel, in dist/: `pip install "dist/hookax-0.1.0-py3-none-any.whl[nnx]"`
+# installs it anywhere. `make test-wheel` checks a wheel the same way, one fresh venv per extra.
+dist: $(BIN)/python
+	$(BIN)/python -m pip install -q build
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
 
 lint: $(VENV)/.installed-dev
 	$(BIN)/ruff check hookax tests benchmarks docs noxfile.py .ci conftest.py

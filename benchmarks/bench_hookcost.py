@@ -1,4 +1,4 @@
-"""What hooks cost when used (issue 16, point 6): per call, per forward, and against depth.
+"""What hooks cost when used: per call, per forward, and against depth.
 
 Rows, measured side by side in one run (round-robin, medians, see ``_timing.interleaved``):
 

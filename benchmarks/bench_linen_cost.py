@@ -1,4 +1,4 @@
-"""What importing hookax costs unmodified Linen code: a per-step closure interceptor (issue 16).
+"""What importing hookax costs unmodified Linen code: a per-step closure interceptor.
 
 The common Linen pattern: each step makes a fresh dict and an interceptor closing over it, enters
 ``nn.intercept_methods`` and runs the model, eagerly or through a function jitted once outside the

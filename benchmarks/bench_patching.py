@@ -15,7 +15,7 @@ cells; the hand-written ones use no hookax:
 * ``attribution``: ``hx.attribution_patch``, the grid to first order from one backward pass.
 
 Median wall times over interleaved rounds (the first call, which compiles, left out), the ratios
-of issue 30's targets (grid >= 3x the loop, <= 1.2x the hand grid, >= 10x the recipe), the largest
+of the targets (grid >= 3x the loop, <= 1.2x the hand grid, >= 10x the recipe), the largest
 difference of any cell from the loop's, and the compiled memory of the grid's program per chunk
 size (``memory_analysis``: temporaries + arguments + outputs).
 

@@ -9,7 +9,7 @@ Three measurements, side by side in one run:
   (``posix_fadvise(DONTNEED)`` on each file; it needs no root, and the store's files are clean:
   harvest writes them with ``O_DIRECT``), so the bytes come from the disk (on this VM, a virtual
   disk whose host may still cache them). *Warm*: read again, from the page cache. Target: the
-  reader at >= 0.6x the plain read on this 2-core CPU (issue 30), >= 0.9x on a GPU host.
+  reader at >= 0.6x the plain read on a 2-core CPU, >= 0.9x on a GPU host.
 * **Training** a sparse autoencoder (``D`` -> ``D_SAE``, ReLU, L1) with optax: ms per step
   on batches already on the device (cycled), against the same steps fed by the reader. The
   step takes longer than reading its batch; target: with the reader >= 0.95x the in-memory

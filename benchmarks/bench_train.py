@@ -3,7 +3,7 @@
 Two models, each trained by one ``jax.jit`` step (``nnx.split`` state in, new state out,
 donated; optax adam):
 
-* ``mlp``: 12 blocks of Linear(256 -> 256) + relu, batch 64 (issue 30's small MLP);
+* ``mlp``: 12 blocks of Linear(256 -> 256) + relu, batch 64 (a small MLP);
 * ``transformer``: a 12-layer decoder (``hookax.examples.transformer.Block``: RMSNorm, causal
   attention, SwiGLU) stacked with ``nnx.vmap`` and run with ``nnx.scan``; d=64, 4 heads,
   sequence 32, batch 16.
@@ -21,8 +21,8 @@ as ten steps dispatched back to back and waited for once (as a training loop run
 * (transformer) ``stats_all``: the statistics of every call site (norms, attention, its four
   projections, the MLP and its three, each block), not only the layers.
 
-Memory: ``temp_size_in_bytes`` of each compiled step (``memory_analysis``). Targets (issue 30,
-this 2-core CPU): ``stats`` <= 1.03x ``plain`` on the transformer; ``every10`` <= 1.02x on the
+Memory: ``temp_size_in_bytes`` of each compiled step (``memory_analysis``). Targets (a
+2-core CPU): ``stats`` <= 1.03x ``plain`` on the transformer; ``every10`` <= 1.02x on the
 MLP; ``stats`` <= 1.02x ``hand_taps`` on both, with no extra temporary memory.
 
 Run: ``python -m benchmarks train [--json PATH]``.

@@ -259,9 +259,12 @@ def test_where(capsys, tmp_path, command):
 
 
 def test_summary_where_is_not_a_flag(capsys):
-    assert "unrecognized arguments: --where" in error(
-        capsys, "summary", "--example", "mlp", "--where", "x"
-    )
+    assert main(["summary", "--example", "mlp", "--where", "x"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("usage: hookax summary ")
+    last = err.splitlines()[-1]
+    assert last.startswith("hookax: error: unrecognized arguments: --where; --where is a flag of")
+    assert last.endswith("not of hookax summary (see: hookax summary --help)")
 
 
 def test_row_axes(capsys, tmp_path):

@@ -1,4 +1,4 @@
-"""hookax is invisible to code that does not use it: no leaks, no races, no cost (issue 16).
+"""hookax is invisible to code that does not use it: no leaks, no races, no cost.
 
 * Leaks: a call site's frame and context form no reference cycle, so nothing the call touched
   (modules, variables, tracers) waits for the cycle collector; checked as Linen's own

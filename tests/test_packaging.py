@@ -13,7 +13,7 @@ import pytest
 import hookax as hx
 from hookax._cli import main as _cli
 from hookax._diagnostics import gradflow as _gradflow
-from hookax._util.extras import MissingExtraError, require
+from hookax._util.extras import MissingExtraError, install_command, require
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -71,9 +71,42 @@ def test_oldest_constraints_pin_the_lower_bounds():
 
 def test_require_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
-    with pytest.raises(MissingExtraError, match=r'pip install "hookax\[plot\]"') as info:
+    with pytest.raises(MissingExtraError) as info:
         require("matplotlib", "plot", "hx.plot_grad_norms")
     assert isinstance(info.value, ModuleNotFoundError) and info.value.name == "matplotlib"
+    assert str(info.value).endswith(f"Install it with: {install_command('plot')}")
+
+
+@pytest.mark.parametrize(
+    ("origin", "command"),
+    [
+        (
+            {"url": "file:///src/hookax", "dir_info": {"editable": True}},
+            'pip install -e "/src/hookax[plot]"',
+        ),
+        ({"url": "file:///src/hookax", "dir_info": {}}, 'pip install "/src/hookax[plot]"'),
+        (
+            {"url": "file:///d/hookax-0.1.0-py3-none-any.whl", "archive_info": {}},
+            'pip install "/d/hookax-0.1.0-py3-none-any.whl[plot]"',
+        ),
+        ({"url": "file:///my%20dir/hookax", "dir_info": {}}, 'pip install "/my dir/hookax[plot]"'),
+        (
+            {"url": "https://example.org/hookax.whl", "archive_info": {}},
+            'pip install "hookax[plot]"',
+        ),
+        ({}, 'pip install "hookax[plot]"'),
+    ],
+)
+def test_install_command_is_the_one_that_works_for_this_installation(origin, command):
+    assert install_command("plot", origin) == command
+
+
+def test_install_command_of_this_checkout_installs_from_it():
+    """The test suite runs on hookax installed from a checkout: the command names its folder."""
+    command = install_command("nnx")
+    if command != 'pip install "hookax[nnx]"':  # installed from a folder or a wheel file
+        path = command.split('"')[1].removesuffix("[nnx]")
+        assert pathlib.Path(path).exists(), command
 
 
 def test_require_does_not_blame_a_broken_install(monkeypatch, tmp_path):
@@ -88,7 +121,7 @@ def test_require_does_not_blame_a_broken_install(monkeypatch, tmp_path):
 def test_plot_grad_flow_without_matplotlib(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     flow = hx.GradFlow(outputs={"layers/0": 1.0}, params={})
-    with pytest.raises(MissingExtraError, match=r'hx.plot_grad_flow .*"hookax\[plot\]"'):
+    with pytest.raises(MissingExtraError, match=r'hx.plot_grad_flow .*\[plot\]"'):
         hx.plot_grad_flow(flow, str(tmp_path / "g.png"))
     assert not (tmp_path / "g.png").exists()
 
@@ -106,7 +139,7 @@ def test_cli_gradflow_without_matplotlib_fails_before_computing(monkeypatch, cap
     assert captured.out == "" and not out.exists()
     assert captured.err == (
         "hookax: error: hookax gradflow (it draws a chart) needs the Python package "
-        "'matplotlib', which is not installed. Install it with: pip install \"hookax[plot]\"\n"
+        f"'matplotlib', which is not installed. Install it with: {install_command('plot')}\n"
     )
 
 
@@ -117,10 +150,10 @@ def test_cli_without_flax_names_the_nnx_extra(monkeypatch, capsys, command):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert f"hookax {command} --example (the examples are Flax NNX) needs the Python package" in err
-    assert err.endswith('pip install "hookax[nnx]"\n')
+    assert err.endswith(f"Install it with: {install_command('nnx')}\n")
 
 
 def test_every_public_name_is_in_the_api_reference():
-    api = (ROOT / "docs" / "reference" / "api.md").read_text()
+    api = "".join(p.read_text() for p in (ROOT / "docs" / "reference").glob("*.md"))
     missing = [name for name in hx.__all__ if f"::: hookax.{name}\n" not in api]
-    assert missing == [], f"add `::: hookax.NAME` to docs/reference/api.md for {missing}"
+    assert missing == [], f"add `::: hookax.NAME` to its page in docs/reference/ for {missing}"

@@ -1,4 +1,4 @@
-"""cloudpickle round trips of models whose class is defined in a function (issue 16, point 5).
+"""cloudpickle round trips of models whose class is defined in a function.
 
 cloudpickle pickles such a class by value, with its methods: hookax's wrappers and what they
 read. Each test pickles a model here (hookax installed, hooks registered or active) and loads

@@ -161,7 +161,7 @@ def test_missing_grain(store, monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "grain", None)
-    with pytest.raises(ModuleNotFoundError, match=r'pip install "hookax\[data\]"'):
+    with pytest.raises(ModuleNotFoundError, match=r'Install it with: pip install .*\[data\]"'):
         hx.StoreReader(store, "a", 4)
 
 

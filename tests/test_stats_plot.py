@@ -11,7 +11,7 @@ import pytest
 
 import hookax as hx
 from hookax._cli.main import main
-from hookax._util.extras import MissingExtraError
+from hookax._util.extras import MissingExtraError, install_command
 
 STEPS = [0, 5, 10, 15]
 
@@ -117,6 +117,6 @@ def test_cli_missing_folder_and_matplotlib(
     assert "LOGDIR" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     assert main(["stats-plot", str(tmp_path)]) == 2
-    assert 'pip install "hookax[plot]"' in capsys.readouterr().err
+    assert install_command("plot") in capsys.readouterr().err
     with pytest.raises(MissingExtraError):
         hx.plot_stats(tmp_path)

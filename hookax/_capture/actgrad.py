@@ -158,7 +158,7 @@ def value_and_grad(
     ``act_grads`` maps each selected call site's key to a tuple, one entry per call: d loss /
     d (that call's output), with the output's structure (``None`` for integer outputs). No model
     edits: costs at most what NNX's ``perturb`` costs, in time and memory
-    (``benchmarks/bench_capture.py``).
+    ([benchmarks](../benchmarks.md#activation-gradients-and-capture)).
 
     Works wherever [`hx.capture`][hookax.capture] does, and the gradients are laid out like its
     values: inside ``nnx.scan``/``lax.scan`` stacked on the scan axis, inside ``vmap`` with the

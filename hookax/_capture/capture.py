@@ -88,8 +88,8 @@ class _Marker:
         return self.tag(next_fun(*args, **kwargs), key)
 
     def tag(self, out: Any, key: str) -> Any:
-        """Mark what this session carries for a selected call site (``key``: its key, with the
-        layers of a one-layer selection); return what its caller gets.
+        """Mark what this capture session carries for a selected call site (``key``: its key,
+        with the layers of a one-layer selection); return what its caller gets.
 
         Here the output itself; a subclass may mark something derived from it (the
         statistics taps of :mod:`hookax._diagnostics.stats` mark a small dummy instead).

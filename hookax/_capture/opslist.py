@@ -40,8 +40,9 @@ class Ops:
     def grid(self) -> Any:
         """The table as a ``hookax._util.display.Grid`` (what ``print`` and notebooks
         show): one row per operation. Too wide for the terminal, each call site and each source
-        line becomes a line of its own, above the operations it holds (named within the call
-        site: ``:softmax``, the primitive in brackets where it differs)."""
+        line becomes a line of its own, above the operations it holds (each by its whole
+        address, ``embed:take``, as ``ops=`` takes it; the primitive in brackets where it
+        differs)."""
         from .._util.display import Grid, Line
 
         footer = (f"{len(self.rows)} operations in {len({r.key for r in self.rows})} call sites",)
@@ -58,12 +59,14 @@ class Ops:
             if r.source != source:
                 narrow.append(Line(f"  at {_short(r.source) or '?'}", "dim"))
                 source = r.source
-            name = r.address[len(r.key) :]
+            name = r.address  # the whole address: what ops= takes
             if r.primitive != r.name:
                 name += f" ({r.primitive})"
             narrow.append(("  " + indent + name, *shapes))
         heads = ("Operation", "Inputs", "Outputs")
-        small = Grid("", heads, narrow, footer=footer, boxed=False, styles={0: "cyan"})
+        small = Grid(
+            "", heads, narrow, footer=footer, boxed=False, styles={0: "cyan"}, whole=frozenset({0})
+        )
         styles = {0: "cyan", 4: "dim"}
         return Grid("", _HEADERS, wide, footer=footer, boxed=False, styles=styles, narrow=small)
 

@@ -38,6 +38,7 @@ __all__ = [
     "COMMANDS",
     "Command",
     "LoadedModel",
+    "UnknownArguments",
     "UsageError",
     "add_model_arguments",
     "load_model",
@@ -49,7 +50,22 @@ class UsageError(Exception):
     """A mistake of the person at the command line: one line on stderr, exit code 2."""
 
 
+class UnknownArguments(UsageError):
+    """Arguments no parser took: the message names the nearest flags; ``usage`` is the usage of
+    the (sub)command that was run, printed above it."""
+
+    def __init__(self, message: str, usage: str) -> None:
+        super().__init__(message)
+        self.usage = usage
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from .helptext import HelpFormatter
+
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
         raise UsageError(f"{message} (see: {self.prog} --help)")
 

@@ -18,23 +18,25 @@ from typing import Any
 __all__ = ["add_parser", "run"]
 
 HELP = "run a model over batches (random, or --tokens FILE) and store chosen layers' outputs"
-SAFETY = """\
-safety:
-  --out must be a new folder, an empty one, or a hookax store. Any other folder is refused
-  with its contents listed and every file left as it was; so are the current folder, the home
-  folder and the folders above them. --overwrite replaces only a hookax store that holds
-  nothing but what hookax wrote.
-
-what survives an interruption:
-  Every committed batch, whatever stopped the run (Ctrl-C, a kill, a full disk). Ctrl-C exits
-  with status 130 and one line: how many batches the store holds. Run the same command again:
-  it resumes after the last committed batch and ends as an uninterrupted run would.
-
-store faults:
-  A --out that cannot be written (a file on its path, a read-only or full disk, a folder moved
-  or replaced while the run writes) is one line naming --out, the cause and the batch reached,
-  exit status 2; the committed batches are kept, and the same command resumes once the cause
-  is fixed."""
+# One paragraph per line: argparse wraps them at the terminal's width (helptext.HelpFormatter).
+SAFETY = (
+    "safety:\n"
+    "  --out must be a new folder, an empty one, or a hookax store. Any other folder is refused "
+    "with its contents listed and every file left as it was; so are the current folder, the "
+    "home folder and the folders above them. --overwrite replaces only a hookax store that "
+    "holds nothing but what hookax wrote.\n"
+    "\n"
+    "what survives an interruption:\n"
+    "  Every committed batch, whatever stopped the run (Ctrl-C, a kill, a full disk). Ctrl-C "
+    "exits with status 130 and one line: how many batches the store holds. Run the same command "
+    "again: it resumes after the last committed batch and ends as an uninterrupted run would.\n"
+    "\n"
+    "store faults:\n"
+    "  A --out that cannot be written (a file on its path, a read-only or full disk, a folder "
+    "moved or replaced while the run writes) is one line naming --out, the cause and the batch "
+    "reached, exit status 2; the committed batches are kept, and the same command resumes once "
+    "the cause is fixed."
+)
 
 
 def add_parser(sub: Any) -> None:
@@ -45,7 +47,6 @@ def add_parser(sub: Any) -> None:
         help=HELP,
         description=HELP,
         epilog=SAFETY,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_model_arguments(c)  # the factory or --example, --input, --kw, --eval
     c.add_argument("--where", default=None, help='call sites to store: a path glob ("layers/*")')

@@ -13,18 +13,20 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from . import interrupt
-from .common import COMMANDS, Command, UsageError, _Parser, register
+from .common import COMMANDS, Command, UnknownArguments, UsageError, _Parser, register
 
 __all__ = ["main"]
 
 
-EPILOG = """\
-errors and Ctrl-C:
-  A mistake or a failure is one line on stderr, in the words of the flags, and exit status 2:
-  an input that does not fit the model, an exception of the model's own (with its call site
-  and line), a --out that cannot be written. Ctrl-C ends any subcommand with status 130 and
-  one line, at once, also while XLA compiles; an interrupted harvest keeps every committed
-  batch and the same command resumes it (hookax harvest --help: safety)."""
+# One paragraph per line: argparse wraps them at the terminal's width (helptext.HelpFormatter).
+EPILOG = (
+    "errors and Ctrl-C:\n"
+    "  A mistake or a failure is one line on stderr, in the words of the flags, and exit status "
+    "2: an input that does not fit the model, an exception of the model's own (with its call "
+    "site and line), a --out that cannot be written. Ctrl-C ends any subcommand with status 130 "
+    "and one line, at once, also while XLA compiles; an interrupted harvest keeps every "
+    "committed batch and the same command resumes it (hookax harvest --help: safety)."
+)
 
 
 def _version() -> str:
@@ -41,10 +43,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="hookax",
         description="Summaries and gradient flow of JAX models (Flax NNX, Flax Linen, Equinox).",
         epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--version", action="version", version=_version())
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
     for command in COMMANDS.values():
         if command.add_parser is not None:
             command.add_parser(sub)
@@ -53,6 +54,37 @@ def _parser() -> argparse.ArgumentParser:
         if command.add_arguments is not None:
             command.add_arguments(c)
     return p
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The arguments; an unknown one raises :class:`UnknownArguments` with the nearest flag of
+    the subcommand that was run (or the subcommands that take it) and that subcommand's usage."""
+    p = _parser()
+    args, unknown = p.parse_known_args(argv)
+    if not unknown:
+        return args
+    subs = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices
+    this = subs[args.command]
+    hints = []
+    for arg in unknown:
+        if not arg.startswith("-"):
+            continue
+        name = arg.split("=", 1)[0]
+        others = [c for c, parser in subs.items() if name in parser._option_string_actions]
+        near = _nearest(arg, this)
+        if others:
+            hints.append(f"{name} is a flag of hookax {', '.join(others)}, not of {this.prog}")
+        elif near is not None:
+            hints.append(f"did you mean {near}?")
+    hint = f"; {'; '.join(hints)}" if hints else ""
+    message = f"unrecognized arguments: {' '.join(unknown)}{hint} (see: {this.prog} --help)"
+    raise UnknownArguments(message, this.format_usage())
+
+
+def _nearest(flag: str, parser: argparse.ArgumentParser) -> str | None:
+    from .helptext import nearest_flag
+
+    return nearest_flag(flag, parser._option_string_actions)
 
 
 def _ops_arguments(c: argparse.ArgumentParser) -> None:
@@ -158,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from .._util.extras import MissingExtraError, require
 
     try:
-        args = _parser().parse_args(argv)
+        args = _parse(argv)
         # Missing packages are named before any work (gradients are not computed for nothing).
         if getattr(args, "example", None) is not None:
             require("flax", "nnx", f"hookax {args.command} --example (the examples are Flax NNX)")
@@ -175,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UsageError, MissingExtraError) as e:
         if interrupt.requested(e):  # an exception the Ctrl-C turned into (JAX wraps some)
             return _interrupted()
+        if isinstance(e, UnknownArguments):
+            print(e.usage, end="", file=sys.stderr)
         print(f"hookax: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -85,6 +85,30 @@ class Nonfinite:
             f"parameter {site} is not ({self.count} values)"
         )
 
+    def __repr__(self) -> str:
+        """The sentence (``str``): what a notebook or the REPL shows; the fields are attributes."""
+        return str(self)
+
+    def _repr_html_(self) -> str:  # a notebook: the sentence, then the fields
+        import html
+
+        fields = [
+            ("phase", self.phase),
+            ("call site", self.label),
+            ("non-finite values", f"{self.count:,}"),
+            ("finite just before", self.before if self.before is not None else "-"),
+            ("loss", f"{self.loss:.6g}"),
+        ]
+        rows = "".join(
+            f'<tr><th style="text-align:left">{html.escape(k)}</th>'
+            f'<td style="text-align:left">{html.escape(str(v))}</td></tr>'
+            for k, v in fields
+        )
+        return (
+            f'<div class="hookax"><p>{html.escape(str(self))}</p>'
+            f'<table style="border-collapse:collapse">{rows}</table></div>'
+        )
+
 
 @dataclasses.dataclass(frozen=True)
 class _Site:

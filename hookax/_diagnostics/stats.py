@@ -257,7 +257,8 @@ def value_grad_and_stats(
     Statistics (``stats=``): ``"norm"`` (2-norm), ``"rms"``, ``"mean"``, ``"std"``,
     ``"max_abs"``, ``"frac_zero"`` (fraction of exact zeros), ``"nonfinite"`` (count of NaN and
     Inf, as a float). Each is one reduction over the output, fused into the step; the cost is that
-    of hand-written taps (``benchmarks/bench_train.py``), with no activation-sized buffer.
+    of hand-written taps ([benchmarks](../benchmarks.md#statistics-inside-a-training-step)),
+    with no activation-sized buffer.
 
     Works inside ``jax.jit``/``nnx.jit`` train steps (with optax), ``vmap`` around or inside the
     model, ``nnx.scan``/``lax.scan`` over layers, ``remat``, as ``hx.value_and_grad``

@@ -87,16 +87,21 @@ def _g(v: float | None) -> str:
     return "-" if v is None else f"{v:.4g}"
 
 
-def show(values: Any) -> Values:
-    """An overview of captured values: one row per array, with its shape and statistics.
+def show(values: Any) -> Any:
+    """An overview of captured values: one row per array, with its shape and statistics; or the
+    table of any other hookax result.
 
     Args:
-      values: what [`hx.capture`][hookax.capture] returned (``{key: (value per call, ...)}``), or
-        any pytree of arrays (rows named by their paths).
+      values: what [`hx.capture`][hookax.capture] returned (``{key: (value per call, ...)}``),
+        any pytree of arrays (rows named by their paths), or a hookax result that is a table
+        of its own ([`hx.Stats`][hookax.Stats], [`hx.Summary`][hookax.Summary],
+        [`hx.Ops`][hookax.Ops], [`hx.Profile`][hookax.Profile],
+        [`hx.GradFlow`][hookax.GradFlow], [`hx.Nonfinite`][hookax.Nonfinite], ...).
 
     Returns:
-      A [`hx.Values`][hookax.Values]: printed, a table at the terminal's width; in a notebook, an
-      HTML table. The arrays themselves stay in ``values``.
+      For arrays, a [`hx.Values`][hookax.Values]; for a hookax result, the result itself.
+      Either prints as a table at the terminal's width and shows as an HTML table in a notebook.
+      The arrays themselves stay in ``values``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -108,7 +113,12 @@ def show(values: Any) -> Values:
       [('(model)', (4, 3), 'float32'), ('layers/0', (4, 3), 'float32')]
       >>> hx.show({"x": jnp.arange(4.0)}).rows[0].mean
       1.5
+      >>> s = hx.summary(model, jnp.ones((4, 2)))
+      >>> hx.show(s) is s  # a hookax result shows its own table
+      True
     """
+    if _is_result(values):
+        return values
     named: list[tuple[str, Any]] = []
     if isinstance(values, dict) and all(isinstance(v, tuple) for v in values.values()):
         for key, calls in values.items():  # a capture's acts: one tuple of calls per key
@@ -118,6 +128,12 @@ def show(values: Any) -> Values:
     else:
         named = _leaves("", values)
     return Values([_row(name, leaf) for name, leaf in named])
+
+
+def _is_result(obj: Any) -> bool:
+    """Whether ``obj`` is a hookax result that draws its own table (``hx.Stats``, ``hx.Summary``,
+    ``hx.Ops``, ...): an object of a hookax class with a notebook display of its own."""
+    return type(obj).__module__.startswith("hookax.") and hasattr(obj, "_repr_html_")
 
 
 def _leaves(prefix: str, tree: Any) -> list[tuple[str, Any]]:

@@ -240,7 +240,8 @@ class StoreReader:
     Raises:
       HookaxError: the store is being written (or was interrupted), holds no such name, or has
         fewer rows than ``batch_size``.
-      MissingExtraError: grain is not installed (``pip install "hookax[data]"``).
+      MissingExtraError: grain is not installed (the message names the install of the
+        ``data`` extra).
 
     Examples:
       >>> import tempfile, jax.numpy as jnp, numpy as np

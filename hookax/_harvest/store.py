@@ -57,9 +57,11 @@ def import_tensorstore() -> Any:
     try:
         import tensorstore as ts
     except ImportError as e:  # pragma: no cover - tensorstore comes with flax
+        from .._util.extras import install_command
+
         raise HookaxError(
             "hx.harvest writes its store with TensorStore, which is not installed. "
-            "Fix: pip install 'hookax[harvest]' (or pip install tensorstore)."
+            f"Fix: {install_command('harvest')} (or pip install tensorstore)."
         ) from e
     return ts
 

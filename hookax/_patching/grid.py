@@ -306,10 +306,10 @@ def patch_grid(
     The clean values are captured once; the grid is one compiled program: for each target in
     turn, ``jax.vmap`` over patches of the patched forward (what comes before the target is
     computed once per chunk), at most ``chunk_size`` patches per target per program call
-    (memory grows linearly with it; ``benchmarks/bench_patching.py`` reports it). Programs are
-    reused by later calls with the same structure, shapes, ``fn`` and ``metric`` (functions
-    compared by code and closure, as [`hx.intercept`][hookax.intercept] compares them); pass
-    the model as ``fn``, or among the arguments, rather than closed over.
+    (memory grows linearly with it: [benchmarks](../benchmarks.md#activation-patching)).
+    Programs are reused by later calls with the same structure, shapes, ``fn`` and ``metric``
+    (functions compared by code and closure, as [`hx.intercept`][hookax.intercept] compares
+    them); pass the model as ``fn``, or among the arguments, rather than closed over.
 
     Args:
       fn: a module or a function of arrays (e.g. Linen's ``model.apply``).

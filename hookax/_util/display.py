@@ -2,10 +2,12 @@
 terminal only, and as HTML for notebooks (``rich`` is imported lazily, when a table is drawn).
 
 A :class:`Grid` is a table of strings. Fitted to a width, its cells wrap only *between* pieces
-(after a space, ``/``, ``:`` or ``_``, after a ``.`` or ``,`` that is not inside a number) and
-its numeric columns never wrap, so no number is ever cut or shortened to ``…``; columns shrink
-widest first, never below their longest piece. Without a width (output piped to a file, no
-``COLUMNS``) a table keeps its natural width.
+(after a space that does not separate a number from its unit, after ``/`` or ``:``, after a
+``,`` that is not inside a number; never inside a word such as ``lm_head``, a number such as
+``1.41M`` or a qualified name such as ``Embed.__call__``) and its
+numeric columns never wrap, so no number is ever cut, parted from its unit or shortened to
+``…``; columns shrink widest first, never below their longest piece. Without a width (output
+piped to a file, no ``COLUMNS``) a table keeps its natural width.
 
 Examples:
   >>> g = Grid("t", ("Key", "Count"), [("layers/0/mlp", "1,234,567")], numeric=frozenset({1}))
@@ -72,24 +74,44 @@ def in_notebook() -> bool:
     return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
 
 
+# Units that stay on the line of the number before them: "451.25 KiB", "3.1 ms", "x32".
+UNITS = frozenset(
+    {"B", "KB", "MB", "GB", "TB", "KiB", "MiB", "GiB", "TiB", "ns", "us", "µs", "ms", "s", "x"}
+)
+
+
 def _breaks_after(text: str, i: int) -> bool:
-    """Whether a line may break between ``text[i - 1]`` and ``text[i]``."""
+    """Whether a line may break between ``text[i - 1]`` and ``text[i]``: after a space (not
+    between a number and its unit), after ``/ : ; ) > ]``, after a ``,`` that is not inside a
+    number; never inside a word (``lm_head`` and ``Embed.__call__`` stay whole)."""
     a, b = text[i - 1], text[i]
     if b == " ":
         return False
-    if a in " /:_;)>]":
+    if a == " ":
+        return not (i >= 2 and text[i - 2].isdigit() and _word_at(text, i) in UNITS)
+    if a in "/:;)>]":
         return True
-    if a in ".,":  # not inside a number: 1.41M, 115,520, f32[2,32,172]
+    if a == ",":  # not inside a number or a shape: 115,520, f32[2,32,172]
         return not (i >= 2 and text[i - 2].isdigit() and b.isdigit())
-    return False
+    return False  # a "." is inside a number, a file name or a qualified name: Embed.__call__
+
+
+def _word_at(text: str, i: int) -> str:
+    """The word starting at ``text[i]``, without the punctuation that follows it."""
+    end = i
+    while end < len(text) and (text[end].isalnum() or text[end] == "µ"):
+        end += 1
+    return text[i:end]
 
 
 def pieces(text: str) -> list[str]:
     """``text`` cut where a line may break (each piece keeps its trailing separator).
 
     Examples:
-      >>> pieces("layers/0/attn 1.41M f32[2,32,172]")
-      ['layers/', '0/', 'attn ', '1.41M ', 'f32[2,32,172]']
+      >>> pieces("layers/0/attn_norm 1.41M f32[2,32,172]")
+      ['layers/', '0/', 'attn_norm ', '1.41M ', 'f32[2,32,172]']
+      >>> pieces("variables 451.25 KiB (tied: lm_head)")
+      ['variables ', '451.25 KiB ', '(tied: ', 'lm_head)']
     """
     out, start = [], 0
     for i in range(1, len(text)):
@@ -210,6 +232,7 @@ class Grid:
       rows: the cells, or a :class:`Line` across the table; a cell may hold several lines
         (``"\\n"``); leading spaces indent.
       numeric: columns of numbers: right-justified and never wrapped.
+      whole: columns of names that are never wrapped either (addresses to copy), left-justified.
       sections: row indexes that start a new section (a rule above them).
       footer: lines below the table (wrapped to the width, continuation lines indented).
       boxed: draw a box (rules around every cell) when the natural width fits (and no row is
@@ -223,6 +246,7 @@ class Grid:
     headers: tuple[str, ...]
     rows: Sequence[tuple[str, ...] | Line]
     numeric: frozenset[int] = frozenset()
+    whole: frozenset[int] = frozenset()
     sections: frozenset[int] = frozenset()
     footer: tuple[str, ...] = ()
     boxed: bool = True
@@ -252,12 +276,19 @@ class Grid:
             return True, natural
         minimum = []
         for i, (head, *cells) in enumerate(columns):
-            if i in self.numeric:  # numbers never wrap
+            if i in self.numeric or i in self.whole:  # numbers and whole names never wrap
                 low = max([min_width(head, 0)] + [natural_width(c) for c in cells])
             else:
                 low = max([min_width(head, 0)] + [min_width(c) for c in cells])
             minimum.append(min(low, natural[i]))
-        return False, fit(columns, minimum, width - 2 * (n - 1))
+        room = width - 2 * (n - 1)
+        if sum(minimum) > room:  # whole names that do not fit: as wide as the others leave
+            others = sum(m for i, m in enumerate(minimum) if i not in self.whole)
+            share = (room - others) // max(len(self.whole), 1)
+            for i in self.whole:
+                cut = max(min_width(c, 0 if j == 0 else 1) for j, c in enumerate(columns[i]))
+                minimum[i] = min(max(cut, share), natural[i])
+        return False, fit(columns, minimum, room)
 
     # -- drawing --------------------------------------------------------------------------------
 
@@ -341,7 +372,9 @@ class Grid:
                 yield Text(text, style=row.style if color else "", no_wrap=True, overflow="ignore")
                 continue
             cells = [
-                [c] if i in self.numeric else wrap(c, w)
+                c.split("\n")
+                if i in self.numeric or (i in self.whole and natural_width(c) <= w)
+                else wrap(c, w)
                 for i, (c, w) in enumerate(zip(row, widths))
             ]
             yield from join(cells)
