@@ -416,7 +416,8 @@ def _coerce(where: Any) -> Selector:
     if _is_module(where):
         return _Instance(where)
     if isinstance(where, str):
-        return Select(paths=where)
+        path, method = split_method(where)  # a key as hookax writes it: "attn:forward"
+        return Select(paths=path, methods=method) if method else Select(paths=where)
     if callable(where):
         return _Predicate(where)
     raise SelectorError(
