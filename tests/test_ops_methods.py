@@ -73,7 +73,9 @@ def test_ops_lists_the_operations_of_every_method():
         assert f"layers/{i}:forward:softmax" in addresses
         assert f"layers/{i}/q:native_forward:dot_general" in addresses
     # where= without methods lists every method of the call sites it names
-    assert hx.ops(Net(), X, where="layers/0/q").addresses == ["layers/0/q:native_forward:dot_general"]
+    assert hx.ops(Net(), X, where="layers/0/q").addresses == [
+        "layers/0/q:native_forward:dot_general"
+    ]
     # a key with its method, as hx.ops writes it, is a where= of its own
     assert "layers/1:forward:softmax" in hx.ops(Net(), X, where="layers/1:forward").addresses
 
@@ -101,7 +103,7 @@ def test_globs_without_a_method_capture_and_edit_operations_in_other_methods(mod
 
 def test_capture_where_a_method_key():
     model = Net()
-    y, acts = hx.capture(model, where="layers/0:forward")(X)
+    _, acts = hx.capture(model, where="layers/0:forward")(X)
     layer0 = model.layers[0]
     probs, _ = by_hand(model, X)
     want = X + jnp.einsum("bts,bsd->btd", probs[0], X)

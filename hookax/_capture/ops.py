@@ -1,10 +1,11 @@
 """Operations inside call sites: ``ops=`` patterns, their handlers, and ``hx.intercept_op``.
 
 An ``ops=`` pattern is ``"<call site>:<operation>"``: a path glob (``"layers/*/attn"``, ``"**"``),
-optionally ``:method`` (without one: the call sites of every method there), then an operation name glob and an optional ``#n`` (``"softmax"``,
-``"dot_general#1"``, ``"dot_general#*"`` for every one). Each consumer (a capture session, an
-edit block, a listing) is one ``Entry("ops", OpHandler, ...)`` among the active entries, so it is
-part of the jit cache key like every interceptor; ``_optrace`` does the work inside call sites.
+optionally ``:method`` (without one: the call sites of every method there), then an operation
+name glob and an optional ``#n`` (``"softmax"``, ``"dot_general#1"``, ``"dot_general#*"`` for
+every one). Each consumer (a capture session, an edit block, a listing) is one
+``Entry("ops", OpHandler, ...)`` among the active entries, so it is part of the jit cache key
+like every interceptor; ``_optrace`` does the work inside call sites.
 """
 
 from __future__ import annotations

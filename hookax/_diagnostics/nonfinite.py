@@ -108,10 +108,7 @@ def _groups(records: list[Any]) -> Iterator[list[int]]:
     for i, (_, _, _, (axes, _)) in enumerate(records):
         scanned = _stats.layer_axes(axes) > 0
         same = (
-            run
-            and scanned
-            and records[run[0]][3][0] == axes
-            and not _starts_again(keys, run[0], i)
+            run and scanned and records[run[0]][3][0] == axes and not _starts_again(keys, run[0], i)
         )
         if run and not same:
             yield run

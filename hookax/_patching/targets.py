@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from .._engine.select import Select, check_glob, glob_to_regex, split_layers, split_method
 from .._hooks.intercept import intercept
 from .._util.errors import SelectorError
-from .._util.specs import describe, describe_tree
+from .._util.parts import leaf_at, parts, split_part
+from .._util.specs import Shown, describe, describe_flat
 from . import compiled
 from .patch import PatchError, position_mask
 
@@ -43,7 +44,7 @@ def parse(where: Any, who: str) -> list[Target]:
             raise SelectorError(f"{who}: where= entries are strings like 'layers/3', got {item!r}.")
         path, method = split_method(item)
         if path:
-            check_glob(split_layers(path)[0])  # "blocks/mlp[3]": one layer of a scanned stack
+            check_glob(split_layers(split_part(path)[0])[0])  # "blocks/mlp[3]": a layer
         out.append((path, method or "__call__"))
     return out
 
@@ -52,7 +53,7 @@ def selector(keys: list[str]) -> Any:
     """A selector picking exactly these call-site keys (for ``hx.capture``)."""
     sel: Any = None
     for key in keys:
-        path, method = split_method(key)
+        path, method = split_method(split_part(key)[0])  # "layers/1.0": the call site
         one = Select(paths=path, methods=method or "__call__")
         sel = one if sel is None else sel | one
     return sel
@@ -93,26 +94,45 @@ def discover(fn: Any, args: tuple[Any, ...]) -> dict[str, list[Any]]:
 def expand(targets: list[Target], found: dict[str, list[Any]], who: str) -> list[str]:
     """The keys ``targets`` name, in call order within each; one that names none raises."""
     keys: list[str] = []
-    for target, method in targets:
-        path, layers = split_layers(target)
-        rx = glob_to_regex(path) if path else None
-        hits = [
-            k
-            for k in found
-            if (k.partition(":")[2] or "__call__") == method
-            and (rx.fullmatch(k.partition(":")[0]) if rx else k.partition(":")[0] == "")
-        ]
+    for asked, asked_method in targets:
+        target, method, part = asked, asked_method, ""
+        hits = _hits(target, method, found)
+        if not hits:  # "decoder/layers_1.0", "enc:encode.0": an array inside the output
+            (target, part), (method, tail) = split_part(asked), split_part(asked_method)
+            part = part or tail
+            hits = _hits(target, method, found) if part else []
         if not hits:
-            text = target if method == "__call__" else f"{target}:{method}"
+            text = asked if asked_method == "__call__" else f"{asked}:{asked_method}"
             near = difflib.get_close_matches(text, list(found), n=6, cutoff=0.0) or list(found)[:6]
             raise SelectorError(
                 f"{who}: where={text!r} matched no call site; those that ran include "
                 f"{', '.join(repr(k) for k in near)}. Fix: use a key as hx.capture names it."
             )
+        layers = split_layers(target)[1]
         if layers is not None:  # one key per layer, the way hx.capture names them
             hits = [_layer_key(k, i) for k in hits for i in sorted(layers)]
-        keys += [k for k in hits if k not in keys]
+        keys += [k + part for k in hits if k + part not in keys]
     return keys
+
+
+def _hits(target: str, method: str, found: dict[str, list[Any]]) -> list[str]:
+    """The keys of ``found`` that the path glob ``target`` and ``method`` name."""
+    path = split_layers(target)[0]
+    rx = glob_to_regex(path) if path else None
+    return [
+        k
+        for k in found
+        if (k.partition(":")[2] or "__call__") == method
+        and (rx.fullmatch(k.partition(":")[0]) if rx else k.partition(":")[0] == "")
+    ]
+
+
+def values_of(acts: dict[str, Any], key: str) -> Any:
+    """A target's values in ``acts`` (keyed by call site): a part's arrays for ``"key.0"``."""
+    if key in acts:
+        return acts[key]
+    site, part = split_part(key)
+    return tuple(leaf_at(v, part) for v in acts[site])
 
 
 def _layer_key(key: str, layer: int) -> str:
@@ -129,27 +149,65 @@ def site_of(key: str) -> str:
 
 class _Other:
     """A call site's output that is not one array, shown as its structure (``(None,
-    f32[1,8,32])``: a block returning ``(cache, x)``)."""
+    f32[1,8,32])``: a block returning ``(cache, x)``). Described only when it is a target:
+    the outputs of the other call sites are never handed to their classes' code."""
 
     def __init__(self, out: Any) -> None:
-        self.text = describe_tree(out)
+        leaves, self.treedef = jax.tree.flatten(out)
+        self.leaves = [
+            jax.ShapeDtypeStruct(x.shape, x.dtype) if _is_array(x) else Shown(x) for x in leaves
+        ]
+        self.parts = {p: leaf for p, leaf in parts(jax.tree.unflatten(self.treedef, self.leaves))}
 
     def __repr__(self) -> str:
-        return self.text
+        return describe_flat(self.treedef, self.leaves)
+
+    def arrays(self, key: str) -> str:
+        """Its arrays as targets: ``'layers/1.0' (f32[1,5,8])``."""
+        return ", ".join(
+            f"{key + p!r} ({describe(v)})"
+            for p, v in self.parts.items()
+            if isinstance(v, jax.ShapeDtypeStruct)
+        )
+
+
+def _part_spec(spec: Any, key: str, part: str, who: str) -> Any:
+    """The spec of the array ``part`` names in a call's output ``spec``."""
+    site = key[: len(key) - len(part)]
+    leaf = spec.parts.get(part) if isinstance(spec, _Other) else None
+    if not isinstance(leaf, jax.ShapeDtypeStruct):
+        arrays = spec.arrays(site) if isinstance(spec, _Other) else repr(site)
+        raise PatchError(
+            f"{who}: {key!r} names no array in the output of call site {site!r}, "
+            f"{spec!r}. Fix: name one of its arrays: {arrays}."
+        )
+    return leaf
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(getattr(x, "shape", None), tuple) and hasattr(x, "dtype")
 
 
 def out_spec(key: str, found: dict[str, list[Any]], who: str) -> Any:
     """The output shape of ``key``'s first call; its calls must all have one array shape."""
-    specs = found[site_of(key)]
+    site, part = site_of(key), ""
+    if site not in found:  # "layers/1.0": an array inside the output of "layers/1"
+        base, part = split_part(key)
+        site = site_of(base)
+    specs = found[site]
     fix = (
         "Fix: target a call site inside it that returns one array, or an operation with ops= "
         "(hx.ops lists them; a block's residual stream is its last add)."
     )
+    if part:
+        specs = [_part_spec(s, key, part, who) for s in specs]
     other = next((s for s in specs if isinstance(s, _Other)), None)
     if other is not None:
+        arrays = other.arrays(key)
+        name = f"Fix: name the array inside it: {arrays}; or target" if arrays else "Fix: target"
         raise PatchError(
             f"{who}: call site {key!r} returns {other!r}, not one array; a patching target's "
-            f"output must be one array. {fix}"
+            f"output must be one array. {name}{fix.removeprefix('Fix: target')}"
         )
     if any(s.shape != specs[0].shape for s in specs):
         raise PatchError(

@@ -160,5 +160,5 @@ def _install_split_merge() -> None:
             ADAPTER.record_merge(graphdef, node)
         return node
 
-    graphlib.flatten = flatten  # type: ignore[assignment]
-    graphlib.unflatten = unflatten  # type: ignore[assignment]
+    graphlib.flatten = flatten
+    graphlib.unflatten = unflatten
