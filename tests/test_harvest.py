@@ -113,10 +113,10 @@ def test_several_calls_and_tuple_outputs(tmp_path):
     model = Pair()
     data = [jnp.arange(4.0).reshape(2, 2), jnp.ones((2, 2))]
     h = hx.harvest(model, data, store=tmp_path / "s", progress=False)
-    assert h.names == ("[0]", "[1]", "lin#0", "lin#1")  # the root's key is ""
+    assert h.names == (".0", ".1", "lin#0", "lin#1")  # the root's key is ""; .0: a position
     lin = model.lin
     np.testing.assert_array_equal(h.read("lin#1"), np.concatenate([lin(x + 1) for x in data]))
-    np.testing.assert_array_equal(h.read("[0]"), np.concatenate([lin(x) for x in data]))
+    np.testing.assert_array_equal(h.read(".0"), np.concatenate([lin(x) for x in data]))
 
 
 def test_resume_appends_and_complete_store_is_kept(tmp_path):

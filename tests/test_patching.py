@@ -501,8 +501,8 @@ def test_grid_target_that_returns_a_tuple_is_refused_showing_what_it_returns() -
 
     want = (
         rf"hx.patch_grid: call site 'block' returns \(None, f32\[{B},{T},{D}\]\), not one "
-        r"array; .* Fix: target a call site inside it that returns one array, or an operation "
-        r"with ops="
+        r"array; .* Fix: name the array inside it: 'block.1' \(f32\[2,5,4\]\); or target a "
+        r"call site inside it that returns one array, or an operation with ops="
     )
     with pytest.raises(hx.PatchError, match=want):
         hx.patch_grid(Model(), (CLEAN,), (CORRUPT,), metric, where="block")
@@ -512,6 +512,8 @@ def test_grid_target_that_returns_a_tuple_is_refused_showing_what_it_returns() -
     grid = hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where="block/lin", positions=None)
     assert grid.shape == (1,)  # the array inside it is a target
     close(grid[0], metric(CORRUPT + model.block.lin(CLEAN)))
+    grid = hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where="block.1", positions=None)
+    close(grid[0], metric(CLEAN + model.block.lin(CLEAN)))  # the block's array, by name
 
 
 # --- hx.attribution_patch ---------------------------------------------------------------------

@@ -278,8 +278,8 @@ def test_lax_scan_over_equinox_layers(mode):
     b = model.blocks.mlp.bias
     run = model if mode == "eager" else eqx.filter_jit(lambda m, x: m(x))
     args = (x,) if mode == "eager" else (model, x)
-    # The layers are combined from stacked arrays inside the body: their key is "mlp".
-    with hx.intercept(_steer, where="mlp[2]"):
+    # The layers are combined from stacked arrays inside the body: they keep the stack's path.
+    with hx.intercept(_steer, where="blocks/mlp[2]"):
         y = run(*args)
     np.testing.assert_allclose(y, unrolled(w, b, x, _on({2})), rtol=1e-5, atol=1e-6)
 
@@ -514,11 +514,11 @@ def test_harvest_of_one_layer_of_an_equinox_scan_is_cut(tmp_path, jitted):
 
     model = EScanned()
     f = jax.jit(jax.vmap(model)) if jitted else jax.vmap(model)
-    one = Step(f, "mlp[1]", (), None, None, 1, (X,))
+    one = Step(f, "blocks/mlp[1]", (), None, None, 1, (X,))
     assert _trip_counts(one.lower(X)) == [2]
-    got = hx.harvest(f, [X], where="mlp[1]", store=tmp_path / "one.zarr")
-    every = hx.capture(f, where="mlp")(X)[1]["mlp"][0]
-    np.testing.assert_array_equal(got.read("mlp[1]"), every[1])
+    got = hx.harvest(f, [X], where="blocks/mlp[1]", store=tmp_path / "one.zarr")
+    every = hx.capture(f, where="blocks/mlp")(X)[1]["blocks/mlp"][0]
+    np.testing.assert_array_equal(got.read("blocks/mlp[1]"), every[1])
 
 
 def test_scans_that_must_run_whole_are_not_cut():

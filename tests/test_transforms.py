@@ -394,7 +394,7 @@ def test_shard_map_inside_the_model_stacks_per_shard_values() -> None:
     x = jax.device_put(jnp.ones((32, D)), NamedSharding(mesh, P("data")))
     for f in (lambda m, x: m(x), jax.jit(lambda m, x: m(x))):
         _, acts = hx.capture(f, where=nnx.Linear)(M(), x)
-        (per_shard,) = acts[""]  # the Linear is a root of its own inside the body
+        (per_shard,) = acts["lin"]  # merged inside the body: the path it was split from
         assert per_shard.shape == (4, 8, 4)
         assert per_shard.sharding.spec[0] == "data"
         close(per_shard.reshape(32, 4), lin(x))

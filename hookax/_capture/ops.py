@@ -1,10 +1,11 @@
 """Operations inside call sites: ``ops=`` patterns, their handlers, and ``hx.intercept_op``.
 
 An ``ops=`` pattern is ``"<call site>:<operation>"``: a path glob (``"layers/*/attn"``, ``"**"``),
-optionally ``:method``, then an operation name glob and an optional ``#n`` (``"softmax"``,
-``"dot_general#1"``, ``"dot_general#*"`` for every one). Each consumer (a capture session, an
-edit block, a listing) is one ``Entry("ops", OpHandler, ...)`` among the active entries, so it is
-part of the jit cache key like every interceptor; ``_optrace`` does the work inside call sites.
+optionally ``:method`` (without one: the call sites of every method there), then an operation
+name glob and an optional ``#n`` (``"softmax"``, ``"dot_general#1"``, ``"dot_general#*"`` for
+every one). Each consumer (a capture session, an edit block, a listing) is one
+``Entry("ops", OpHandler, ...)`` among the active entries, so it is part of the jit cache key
+like every interceptor; ``_optrace`` does the work inside call sites.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from .._engine import dispatch as _dispatch
 from .._engine.select import (
+    ALL_METHODS,
     Select,
     Selector,
     check_glob,
@@ -100,7 +102,9 @@ def parse_ops(ops: Any, who: str) -> tuple[OpPattern, ...]:
         out.append(
             OpPattern(
                 text,
-                Select(paths=path, methods=method or "__call__"),
+                # No method named: the operations of every method a call site runs
+                # ("**:softmax" finds the one inside "attn:forward").
+                Select(paths=path, methods=method or ALL_METHODS),
                 m["name"],
                 None if index == "*" else int(index or 0),
             )

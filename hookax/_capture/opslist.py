@@ -6,7 +6,7 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .._engine.select import CALL_ONLY, as_selector, resolve_instances
+from .._engine.select import ALL_METHODS, as_selector, resolve_instances
 from .ops import Listing, OpHandler, OpPattern, OpRow, named_softmax
 
 __all__ = ["Ops", "ops"]
@@ -117,7 +117,10 @@ def ops(fn: Callable[..., Any], *args: Any, where: Any = None, **kwargs: Any) ->
     Args:
       fn: a module, or a function that calls modules.
       *args: example arguments (arrays or ``jax.ShapeDtypeStruct``).
-      where: which call sites to list; default every module's ``__call__``.
+      where: which call sites to list; default every call site: each module's ``__call__``
+        and the other methods it runs (``"attn:forward:softmax"`` for an operation inside
+        ``attn.forward``). Without ``methods=`` a ``where=`` lists every method of the call
+        sites it names.
       **kwargs: example keyword arguments.
 
     Returns:
@@ -142,7 +145,7 @@ def ops(fn: Callable[..., Any], *args: Any, where: Any = None, **kwargs: Any) ->
 
     check_variables("hx.ops", fn)
     listing = Listing()
-    selector = as_selector(resolve_instances(where, (fn, args, kwargs)), CALL_ONLY)
+    selector = as_selector(resolve_instances(where, (fn, args, kwargs)), ALL_METHODS)
     handler = OpHandler("list", listing, (OpPattern("**:*#*", selector, "*", None),))
     mode = framework_mode(fn, args, kwargs)
     if mode is True and is_nnx_module(fn):  # an argument of nnx.eval_shape: it may update state

@@ -126,15 +126,15 @@ class _Site:
 
 def _groups(records: list[Any]) -> Iterator[list[int]]:
     """Record indices in runs: consecutive records that left the same scans together (one scan
-    body; a key seen again starts a new run) or a single record outside any scan."""
+    body) or a single record outside any scan. A call site may run several times in one layer
+    (a rotary embedding for queries and keys); a new run starts where the body's keys start
+    again from its first (another scan over the same layers)."""
+    keys = [r[0] for r in records]
     run: list[int] = []
-    for i, (key, _, _, (axes, _)) in enumerate(records):
+    for i, (_, _, _, (axes, _)) in enumerate(records):
         scanned = _stats.layer_axes(axes) > 0
         same = (
-            run
-            and scanned
-            and records[run[0]][3][0] == axes
-            and key not in {records[j][0] for j in run}
+            run and scanned and records[run[0]][3][0] == axes and not _starts_again(keys, run[0], i)
         )
         if run and not same:
             yield run
@@ -142,6 +142,12 @@ def _groups(records: list[Any]) -> Iterator[list[int]]:
         run.append(i)
     if run:
         yield run
+
+
+def _starts_again(keys: list[str], start: int, i: int) -> bool:
+    """Whether the keys from ``i`` repeat those of the run from ``start`` to ``i``."""
+    n = i - start
+    return keys[i] == keys[start] and keys[i : i + n] == keys[start:i]
 
 
 def _sites(records: list[Any], counts: list[np.ndarray]) -> list[_Site]:

@@ -352,9 +352,34 @@ class Frame:
                 path = root._lookup(self.module)
                 if path is not None:
                     break
+            if path is None:
+                path = self._rebuilt_path()
             # Not reachable from any root in progress: this module is a root of its own.
             self._path = () if path is None else path
         return self._path
+
+    def _rebuilt_path(self) -> tuple[Any, ...] | None:
+        """The path of a module that a JAX transform rebuilt from a module of the model (an
+        Equinox module passed as ``lax.scan`` xs): below a caller that holds it, else the one
+        module of the model it was rebuilt from (the adapter's ``rebuilt_from``)."""
+        near: tuple[Any, ...] = ()
+        f = self.parent
+        while f is not None:
+            if f.path != () and f.adapter is self.adapter:
+                rel = f._lookup(self.module)  # a child of a rebuilt module: below its caller
+                if rel is not None:
+                    return f.path + rel
+                near = near or f.path
+            f = f.parent
+        rebuilt_from = getattr(self.adapter, "rebuilt_from", None)
+        if rebuilt_from is None:
+            return None
+        for root in self._roots():
+            if root.adapter is self.adapter and root._paths is not None:
+                path = rebuilt_from(self.module, list(root._paths.values()), near)
+                if path is not None:
+                    return path
+        return None
 
     @property
     def key(self) -> str:

@@ -438,7 +438,7 @@ def _coerce(where: Any) -> Selector:
     if _is_module(where):
         return _Instance(where)
     if isinstance(where, str):
-        return _string(where)
+        return _string(where)  # a key as hookax writes it: "attn:forward"
     if callable(where):
         return _Predicate(where)
     raise SelectorError(

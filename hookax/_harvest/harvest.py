@@ -31,10 +31,11 @@ class Harvest:
     Attributes:
       store: the store's folder.
       names: the stored values' names (call-site keys; ``key#i`` for the i-th of several calls,
-        ``key[i]`` for layer i of a call site inside a scan over layers, ``key[0]`` for parts
-        of a tuple output: ``path[layer]:rest#call[part]``, the layer after the call site's
-        path as a one-layer selection names it: ``"blocks/attn[2]:softmax"``,
-        ``"blocks/mlp[2]:in"``).
+        ``key[i]`` for layer i of a call site inside a scan over layers, ``key.0`` for the
+        arrays of a tuple output (``.name`` for a field or dict key):
+        ``path[layer]:rest#call.part``, the layer after the call site's path as a one-layer
+        selection names it: ``"blocks/attn[2]:softmax"``, ``"blocks/mlp[2]:in"``,
+        ``"decoder/layers[1].0"``).
       batches: batches in the store.
       rows: rows in each stored array.
       resumed_at: the first batch this run computed (0 unless it resumed an interrupted run).

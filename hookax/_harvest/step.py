@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from .._capture.actgrad import is_nnx_module
 from .._transforms.cutscan import cut_scans
 from .._util.errors import HookaxError
+from .._util.parts import parts
 
 __all__ = ["Leaf", "Origin", "Step", "as_args", "leaf_specs", "replication", "row_shape"]
 
@@ -29,10 +30,10 @@ __all__ = ["Leaf", "Origin", "Step", "as_args", "leaf_specs", "replication", "ro
 class Leaf:
     """One stored array: which call site, which call, which layer, which part of the output."""
 
-    name: str  # what users index the store with: "layers/0", "attn#1", "pair[0]", "blocks/mlp[3]"
+    name: str  # what users index the store with: "layers/0", "attn#1", "pair.0", "blocks/mlp[3]"
     key: str  # the call site's key
     call: int  # which call of that call site
-    part: str  # jax.tree_util.keystr of the leaf inside the output ("" for an array output)
+    part: str  # the leaf inside the output, as targets name it (".0"; "" for an array output)
     shape: tuple[int, ...]  # per-row shape (the value's shape after the row axes)
     dtype: str  # stored dtype
     source: str = ""  # the step's output holding it (its name, without the layer index)
@@ -107,8 +108,7 @@ def _outputs(
     out = []
     for key, records in calls.items():
         for call, (value, axes) in enumerate(records):
-            for path, leaf in jax.tree_util.tree_flatten_with_path(value)[0]:
-                part = jax.tree_util.keystr(path)
+            for part, leaf in parts(value):
                 name = key + (f"#{call}" if len(records) > 1 else "") + part
                 out.append((name, Origin(key, call, part, _scans(axes)), leaf))
     return out

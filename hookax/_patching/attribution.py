@@ -128,7 +128,11 @@ def _attribute(spec: _Spec, dyn: list[Any], clean: dict[str, Any], cols: Any) ->
         grads = {**grads, **input_grads}
     rows = []
     for key, shape in zip(spec.keys, spec.shapes):
-        term = _term(key, shape, clean[key], corrupt[key], grads[key])
+        term = _term(
+            key,
+            shape,
+            *(targets.values_of(acts, key) for acts in (clean, corrupt, grads)),
+        )
         rows.append(_row(term, cols, shape, spec, key))
     return jnp.stack(rows)
 

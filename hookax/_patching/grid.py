@@ -259,7 +259,7 @@ class Plan:
         return out
 
     def values(self) -> dict[str, Any]:
-        return {k: self.acts[k] for k in self.keys}
+        return {k: targets.values_of(self.acts, k) for k in self.keys}
 
     def grid(self, chunk_size: int | None) -> Any:
         chunks = self.chunks(chunk_size)

@@ -39,7 +39,7 @@ def _matches(text: str, key: str) -> bool:
     key_layers = split_layers(key_path)[1]
     if layers is not None and key_layers is not None and not key_layers <= layers:
         return False
-    if (method or "__call__") != (key_method or "__call__"):
+    if method and method != (key_method or "__call__"):  # no method: every method
         return False
     if not (glob_to_regex(glob).fullmatch(split_layers(key_path)[0]) if glob else not key_path):
         return False

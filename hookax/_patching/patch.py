@@ -32,6 +32,8 @@ from .._hooks.intercept import intercept
 from .._hooks.layergate import layer_pred
 from .._util.errors import HookaxError, SelectorError
 from .._util.jaxcompat import batching as _batching
+from .._util.parts import leaf_at, parts, replace_at, split_part
+from .._util.specs import describe_tree
 
 __all__ = ["PatchError", "patching", "position_mask"]
 
@@ -104,13 +106,21 @@ def _run(
         site, is_input = split_input(target)
         if is_input and split_layers(site)[0] == key:  # "blocks/1:in": the call's input
             value = _one_input(args, target)
-            args = (_patch(spec, k, target, entries, value, args, kwargs, context),)
+            layers = split_layers(site)[1]
+            args = (_patch(spec, k, target, entries, value, args, kwargs, context, "", layers),)
             break
     out = next_fun(*args, **kwargs)
     for k, (target, entries) in enumerate(items):
         site, is_input = split_input(target)
-        if not is_input and split_layers(site)[0] == key:
-            return _patch(spec, k, target, entries, out, args, kwargs, context)
+        if is_input:
+            continue
+        base, layers = split_layers(site)
+        part = ""
+        if base != key:  # "layers/1.0": an array inside the output of "layers/1"
+            whole, part = split_part(site)
+            base, layers = split_layers(whole)
+        if base == key:
+            return _patch(spec, k, target, entries, out, args, kwargs, context, part, layers)
     return out
 
 
@@ -146,31 +156,53 @@ def _patch(
     args: tuple,
     kwargs: dict,
     context: Any,
+    part: str = "",
+    layers: Any = None,
 ) -> Any:
-    """``out`` (a call's output, or its input) with the patch of ``target`` applied."""
+    """``out`` (a call's output, or its input) with the patch of ``target`` applied; ``part``
+    names the array inside it (``".0"``), ``layers`` the layers of a scanned stack."""
     _, positions, axis, shift = spec
     state = _state(spec)
     key = context.key
     n = state.calls.get(target, 0)
     state.calls[target] = n + 1
     state.applied.add(target)
-    value = _value_for(key, k, out, entries[n % len(entries)], state, context)
+    leaf = _part_of(out, part, key) if part else out
+    value = _value_for(key + part, k, leaf, entries[n % len(entries)], state, context)
     if shift:
-        value = out + value
-    mask = position_mask(positions, out.shape, axis, key)
-    layers = split_layers(split_input(target)[0])[1]
+        value = leaf + value
+    mask = position_mask(positions, leaf.shape, axis, key + part)
     if layers is not None:  # one layer of a scanned stack: "blocks/mlp[3]"
         pred = layer_pred(context._frame, layers, (args, kwargs))
         mask = pred if mask is None else mask & pred
-    return value if mask is None else jnp.where(mask, value, out)
+    new = value if mask is None else jnp.where(mask, value, leaf)
+    return replace_at(out, part, new) if part else new
+
+
+def _part_of(out: Any, part: str, key: str) -> Any:
+    try:
+        return leaf_at(out, part)
+    except KeyError:
+        raise PatchError(
+            f"{WHO}: {key + part!r} names no array in the output of call site {key!r}, "
+            f"{describe_tree(out)}. Fix: name one of its arrays: {_arrays(out, key)}."
+        ) from None
+
+
+def _arrays(out: Any, key: str) -> str:
+    """The targets naming the arrays of ``out``: ``'layers/1.0'``."""
+    names = [repr(key + p) for p, leaf in parts(out) if hasattr(leaf, "shape")]
+    return ", ".join(names) or "none (it holds no array)"
 
 
 def _value_for(key: str, k: int, out: Any, entry: Any, state: _State, context: Any) -> Any:
     """The value replacing ``out``: ``entry`` itself, or its entry for this run of ``key``."""
     if not isinstance(out, jax.Array | np.ndarray):
+        arrays = [repr(key + p) for p, leaf in parts(out) if isinstance(leaf, jax.Array)]
+        inside = f"name an array inside it ({', '.join(arrays)}), or " if arrays else ""
         raise PatchError(
             f"{WHO}: call site {key!r} returned a {type(out).__name__}; only array outputs can "
-            f"be patched. Fix: patch a call site inside it that returns an array."
+            f"be patched. Fix: {inside}patch a call site inside it that returns an array."
         )
     value = per_example(jnp.asarray(entry), out.shape, context._frame, state.trace)
     if value.shape == out.shape:

@@ -28,7 +28,8 @@ from .._engine.select import (
 from .._hooks.intercept import Entry, intercept, scoped
 from .._util.errors import SelectorError
 from .._util.fnkey import FnKey
-from .._util.specs import describe, describe_tree
+from .._util.parts import leaf_at, parts, split_part
+from .._util.specs import Shown, describe, describe_flat
 from . import compiled
 from .patch import PatchError, position_mask, split_input
 
@@ -53,7 +54,7 @@ def parse(where: Any, who: str) -> list[Target]:
         site, is_input = split_input(item)  # "blocks/1:in": the input of "blocks/1"
         path, method = split_method(site)
         if path:
-            check_glob(split_layers(path)[0])  # "blocks/mlp[3]": one layer of a scanned stack
+            check_glob(split_layers(split_part(path)[0])[0])  # "blocks/mlp[3]": a layer
         out.append((path, method or "__call__", is_input))
     return out
 
@@ -61,8 +62,8 @@ def parse(where: Any, who: str) -> list[Target]:
 def selector(keys: list[str]) -> Any:
     """A selector picking exactly these call-site keys (for ``hx.capture``)."""
     sel: Any = None
-    for key in dict.fromkeys(split_input(k)[0] for k in keys):
-        path, method = split_method(key)
+    for key in dict.fromkeys(split_part(split_input(k)[0])[0] for k in keys):
+        path, method = split_method(key)  # "layers/1.0": the call site "layers/1"
         one = Select(paths=path, methods=method or "__call__")
         sel = one if sel is None else sel | one
     return sel
@@ -108,31 +109,50 @@ def _spec(value: Any) -> Any:
 def expand(targets: list[Target], found: dict[str, list[Any]], who: str) -> list[str]:
     """The keys ``targets`` name, in call order within each; one that names none raises."""
     keys: list[str] = []
-    sites = [k for k in found if not split_input(k)[1]]
-    for target, method, is_input in targets:
-        path, layers = split_layers(target)
-        rx = glob_to_regex(path) if path else None
-        hits = [
-            k
-            for k in sites
-            if (k.partition(":")[2] or "__call__") == method
-            and (rx.fullmatch(k.partition(":")[0]) if rx else k.partition(":")[0] == "")
-        ]
+    sites = {k: v for k, v in found.items() if not split_input(k)[1]}
+    for asked, asked_method, is_input in targets:
+        target, method, part = asked, asked_method, ""
+        hits = _hits(target, method, sites)
+        if not hits and not is_input:  # "decoder/layers_1.0": an array inside the output
+            (target, part), (method, tail) = split_part(asked), split_part(asked_method)
+            part = part or tail
+            hits = _hits(target, method, sites) if part else []
         if not hits:
-            text = target if method == "__call__" else f"{target}:{method}"
+            text = asked if asked_method == "__call__" else f"{asked}:{asked_method}"
             text += ":in" if is_input else ""
-            ran = [f"{k}:in" for k in sites] if is_input else sites
+            ran = [f"{k}:in" for k in sites] if is_input else list(sites)
             near = difflib.get_close_matches(text, ran, n=6, cutoff=0.0) or ran[:6]
             raise SelectorError(
                 f"{who}: where={text!r} matched no call site; those that ran include "
                 f"{', '.join(repr(k) for k in near)}. Fix: use a key as hx.capture names it."
             )
+        layers = split_layers(target)[1]
         if layers is not None:  # one key per layer, the way hx.capture names them
             hits = [_layer_key(k, i) for k in hits for i in sorted(layers)]
         if is_input:
             hits = [f"{k}:in" for k in hits]
-        keys += [k for k in hits if k not in keys]
+        keys += [k + part for k in hits if k + part not in keys]
     return keys
+
+
+def _hits(target: str, method: str, found: dict[str, list[Any]]) -> list[str]:
+    """The keys of ``found`` that the path glob ``target`` and ``method`` name."""
+    path = split_layers(target)[0]
+    rx = glob_to_regex(path) if path else None
+    return [
+        k
+        for k in found
+        if (k.partition(":")[2] or "__call__") == method
+        and (rx.fullmatch(k.partition(":")[0]) if rx else k.partition(":")[0] == "")
+    ]
+
+
+def values_of(acts: dict[str, Any], key: str) -> Any:
+    """A target's values in ``acts`` (keyed by call site): a part's arrays for ``"key.0"``."""
+    if key in acts:
+        return acts[key]
+    site, part = split_part(key)
+    return tuple(leaf_at(v, part) for v in acts[site])
 
 
 def _layer_key(key: str, layer: int) -> str:
@@ -150,20 +170,54 @@ def site_of(key: str) -> str:
 
 class _Other:
     """A call site's output that is not one array, shown as its structure (``(None,
-    f32[1,8,32])``: a block returning ``(cache, x)``)."""
+    f32[1,8,32])``: a block returning ``(cache, x)``). Described only when it is a target:
+    the outputs of the other call sites are never handed to their classes' code."""
 
     def __init__(self, out: Any) -> None:
-        self.text = describe_tree(out)
+        leaves, self.treedef = jax.tree.flatten(out)
+        self.leaves = [
+            jax.ShapeDtypeStruct(x.shape, x.dtype) if _is_array(x) else Shown(x) for x in leaves
+        ]
+        self.parts = {p: leaf for p, leaf in parts(jax.tree.unflatten(self.treedef, self.leaves))}
 
     def __repr__(self) -> str:
-        return self.text
+        return describe_flat(self.treedef, self.leaves)
+
+    def arrays(self, key: str) -> str:
+        """Its arrays as targets: ``'layers/1.0' (f32[1,5,8])``."""
+        return ", ".join(
+            f"{key + p!r} ({describe(v)})"
+            for p, v in self.parts.items()
+            if isinstance(v, jax.ShapeDtypeStruct)
+        )
+
+
+def _part_spec(spec: Any, key: str, part: str, who: str) -> Any:
+    """The spec of the array ``part`` names in a call's output ``spec``."""
+    site = key[: len(key) - len(part)]
+    leaf = spec.parts.get(part) if isinstance(spec, _Other) else None
+    if not isinstance(leaf, jax.ShapeDtypeStruct):
+        arrays = spec.arrays(site) if isinstance(spec, _Other) else repr(site)
+        raise PatchError(
+            f"{who}: {key!r} names no array in the output of call site {site!r}, "
+            f"{spec!r}. Fix: name one of its arrays: {arrays}."
+        )
+    return leaf
+
+
+def _is_array(x: Any) -> bool:
+    return isinstance(getattr(x, "shape", None), tuple) and hasattr(x, "dtype")
 
 
 def out_spec(key: str, found: dict[str, list[Any]], who: str) -> Any:
     """The output (or input, for ``"key:in"``) shape of ``key``'s first call; its calls must
-    all have one array shape."""
-    specs = found[site_of(key)]
+    all have one array shape. ``"layers/1.0"`` names an array inside the output."""
     site, is_input = split_input(key)
+    where, part = site_of(key), ""
+    if where not in found and not is_input:  # "layers/1.0": inside the output of "layers/1"
+        base, part = split_part(key)
+        where = site_of(base)
+    specs = found[where]
     if is_input:
         what, fix = f"the input of call site {site!r} is", "Fix: target the output of its caller."
     else:
@@ -172,10 +226,15 @@ def out_spec(key: str, found: dict[str, list[Any]], who: str) -> Any:
             "Fix: target a call site inside it that returns one array, or an operation with "
             "ops= (hx.ops lists them; a block's residual stream is its last add)."
         )
+    if part:
+        specs = [_part_spec(s, key, part, who) for s in specs]
     other = next((s for s in specs if isinstance(s, _Other)), None)
     if other is not None:
+        arrays = other.arrays(key)
+        name = f"Fix: name the array inside it: {arrays}; or target" if arrays else "Fix: target"
         raise PatchError(
-            f"{who}: {what} {other!r}, not one array; a patching target must be one array. {fix}"
+            f"{who}: {what} {other!r}, not one array; a patching target must be one array. "
+            f"{name}{fix.removeprefix('Fix: target')}"
         )
     if any(s.shape != specs[0].shape for s in specs):
         raise PatchError(

@@ -5,7 +5,16 @@ from __future__ import annotations
 import re
 from typing import Any
 
-__all__ = ["DTYPES", "SpecError", "describe", "describe_tree", "format_spec", "parse_spec"]
+__all__ = [
+    "DTYPES",
+    "Shown",
+    "SpecError",
+    "describe",
+    "describe_flat",
+    "describe_tree",
+    "format_spec",
+    "parse_spec",
+]
 
 # Short name -> numpy dtype name. The short names are what tables print and the CLI parses.
 DTYPES: dict[str, str] = {
@@ -86,11 +95,14 @@ def describe(x: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-class _Shown:
+class Shown:
     """A leaf whose ``repr`` is its short description (for :func:`describe_tree`)."""
 
     def __init__(self, x: Any) -> None:
-        self.text = describe(x)
+        try:
+            self.text = describe(x)
+        except Exception:  # a leaf whose own repr fails
+            self.text = type(x).__name__
 
     def __repr__(self) -> str:
         return self.text
@@ -108,4 +120,25 @@ def describe_tree(x: Any) -> str:
         return describe(x)
     import jax
 
-    return repr(jax.tree.map(_Shown, x))
+    leaves, treedef = jax.tree.flatten(x)
+    return describe_flat(treedef, leaves)
+
+
+def describe_flat(treedef: Any, leaves: list[Any]) -> str:
+    """:func:`describe_tree` of the tree ``treedef`` holds ``leaves`` in. A class of the user's
+    whose ``__init__`` or ``__repr__`` cannot take descriptions for leaves (a ``__repr__`` that
+    reads ``.shape``) is shown as its name and its leaves: its own code is never in the way.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> leaves, treedef = jax.tree.flatten({"a": jnp.ones(2)})
+      >>> describe_flat(treedef, leaves)
+      "{'a': f32[2]}"
+    """
+    shown = [Shown(leaf) for leaf in leaves]
+    try:
+        return repr(treedef.unflatten(shown))
+    except Exception:
+        data = treedef.node_data() if hasattr(treedef, "node_data") else None
+        name = getattr(data[0], "__name__", "?") if data else "?"
+        return f"{name}({', '.join(map(repr, shown))})"

@@ -57,6 +57,67 @@ class EquinoxAdapter:
     def root_done(self) -> None:
         pass
 
+    def rebuilt_from(
+        self, module: Any, candidates: list[tuple[tuple[Any, ...], Any]], near: tuple[Any, ...]
+    ) -> tuple[Any, ...] | None:
+        """The path of the one module of the model ``module`` is a copy of, rebuilt by a JAX
+        transform: the same class and fields, each array of its shape, or of its shape without
+        the leading axis (a layer of a stack passed as ``lax.scan`` xs, as Haliax's ``Stacked``
+        does). Several such modules: the one below ``near`` (the path of the nearest caller),
+        else none."""
+        mine = _arrays(module)
+        if mine is None:
+            return None
+        hits = [
+            path
+            for path, m in candidates
+            if type(m) is type(module) and m is not module and _copy_of(mine, _arrays(m))
+        ]
+        if len(hits) > 1 and near:
+            hits = [p for p in hits if p[: len(near)] == near]
+        return hits[0] if len(hits) == 1 else None
+
+
+def _arrays(module: Any) -> tuple[tuple[str, ...], list[Any]] | None:
+    """``module``'s leaves: their key paths, and each array's (shape, dtype) or the leaf."""
+    flat = jax.tree_util.tree_flatten_with_path(module)[0]
+    keys = tuple(jax.tree_util.keystr(kp) for kp, _ in flat)
+    leaves = [
+        (tuple(x.shape), x.dtype) if hasattr(x, "shape") and hasattr(x, "dtype") else x
+        for _, x in flat
+    ]
+    if not any(isinstance(x, tuple) for x in leaves):
+        return None  # no arrays: nothing to tell copies apart by
+    return keys, leaves
+
+
+def _same_leaf(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except Exception:  # a leaf without a plain equality
+        return False
+
+
+def _copy_of(mine: Any, theirs: Any) -> bool:
+    if theirs is None or mine[0] != theirs[0]:
+        return False
+    stacked = same = True
+    for a, b in zip(mine[1], theirs[1], strict=True):
+        if isinstance(a, tuple) != isinstance(b, tuple):
+            return False
+        if not isinstance(a, tuple):
+            if not _same_leaf(a, b):
+                return False
+            continue
+        (sa, da), (sb, db) = a, b
+        if da != db:
+            return False
+        same = same and sa == sb
+        stacked = stacked and sb[1:] == sa and len(sb) == len(sa) + 1
+    return same or stacked
+
 
 def _key(k: Any) -> Any:
     for attr in ("name", "idx", "key"):

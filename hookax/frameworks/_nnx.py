@@ -32,6 +32,11 @@ class _Local(threading.local):
         # id(inner module) -> (weakref to inner, outer): modules an NNX transform rebuilt inside
         # its body. Weak: an inner module holds the body's tracers, which must not outlive it.
         self.aliases: dict[int, tuple[Any, Any]] = {}
+        # id(graphdef) -> (graphdef, module): what ``nnx.split`` split during the root's call, so
+        # that ``nnx.merge`` of that graphdef (inside ``jax.checkpoint``, a ``lax.scan`` body)
+        # builds copies that keep the paths of the modules they were split from. Strong
+        # references: held only until the root's call returns.
+        self.splits: dict[int, tuple[Any, Any]] = {}
 
 
 class NNXAdapter:
@@ -73,8 +78,24 @@ class NNXAdapter:
             if outer is not None and outer is not inner and isinstance(inner, nnx.Module):
                 table[id(inner)] = (weakref.ref(inner), outer)
 
+    def record_split(self, graphdef: Any, node: Any) -> None:
+        self._local.splits[id(graphdef)] = (graphdef, node)
+
+    def record_merge(self, graphdef: Any, node: Any) -> None:
+        """``node`` was merged from ``graphdef``: alias its modules to those it was split from."""
+        hit = self._local.splits.get(id(graphdef))
+        if hit is None or hit[0] is not graphdef:
+            return
+        outer = {tuple(p): m for p, m in self.iter_modules(hit[1])}
+        table = self._local.aliases
+        for path, inner in self.iter_modules(node):
+            source = outer.get(path)
+            if source is not None and source is not inner:
+                table[id(inner)] = (weakref.ref(inner), source)
+
     def root_done(self) -> None:
         self._local.aliases.clear()
+        self._local.splits.clear()
 
 
 ADAPTER = NNXAdapter()
@@ -115,3 +136,29 @@ def install() -> None:
             ADAPTER.record_aliases(self)
 
     update_ctx.unflatten_end = unflatten_end  # type: ignore[method-assign]
+    _install_split_merge()
+
+
+def _install_split_merge() -> None:
+    """``nnx.split`` then ``nnx.merge`` during a call (the functional API inside a JAX transform:
+    ``jax.checkpoint``, a ``lax.scan`` body): the merged copies keep the paths of the modules
+    they were split from. ``split``/``merge`` call ``graphlib.flatten``/``unflatten`` by name;
+    NNX's own transforms pass ``ref_index``/``index_ref`` and are aliased by ``unflatten_end``."""
+    orig_flatten, orig_unflatten = graphlib.flatten, graphlib.unflatten
+
+    @functools.wraps(orig_flatten)
+    def flatten(node: Any, /, **kwargs: Any) -> Any:
+        out = orig_flatten(node, **kwargs)
+        if _context.call_stack() and kwargs.get("ref_index") is None:
+            ADAPTER.record_split(out[0], node)
+        return out
+
+    @functools.wraps(orig_unflatten)
+    def unflatten(graphdef: Any, state: Any, /, **kwargs: Any) -> Any:
+        node = orig_unflatten(graphdef, state, **kwargs)
+        if _context.call_stack() and kwargs.get("index_ref") is None:
+            ADAPTER.record_merge(graphdef, node)
+        return node
+
+    graphlib.flatten = flatten
+    graphlib.unflatten = unflatten
