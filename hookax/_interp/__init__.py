@@ -1,0 +1,1 @@
+"""TransformerLens' conveniences on any JAX model: residual-stream views, names, sweeps."""
