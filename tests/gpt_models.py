@@ -64,29 +64,41 @@ def layer_norm(x: jax.Array, g: jax.Array, b: jax.Array) -> jax.Array:
     return (x - mu) / jnp.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + EPS) * g + b
 
 
-def hand(tokens: jax.Array, w: dict[str, Any] = WEIGHTS) -> dict[str, Any]:
-    """The forward by hand: every value a residual view is built from, per layer."""
+def _keep(name: str, layer: int, value: jax.Array) -> jax.Array:
+    return value
+
+
+def hand(tokens: jax.Array, w: dict[str, Any] = WEIGHTS, edit: Any = _keep) -> dict[str, Any]:
+    """The forward by hand: every value a residual view is built from, per layer.
+    ``edit(name, layer, value)`` rewrites each named value as it is computed (a hand patch)."""
     out: dict[str, Any] = {"embed": w["W_E"][tokens], "pos_embed": w["W_pos"][: tokens.shape[1]]}
     x = out["embed"] + out["pos_embed"]
     keys = ("resid_pre", "attn_out", "mlp_out", "z", "pattern", "q", "k", "v", "resid_mid")
     acc: dict[str, list[Any]] = {k: [] for k in keys}
     causal = jnp.tril(jnp.ones((tokens.shape[1],) * 2, bool))
     for layer in range(L):
+        x = edit("resid_pre", layer, x)
         acc["resid_pre"].append(x)
         h = layer_norm(x, w["ln1"][0][layer], w["ln1"][1][layer])
         q, k, v = (
-            (h @ w[f"W_{n}"][layer] + w[f"b_{n}"][layer]).reshape(*h.shape[:2], H, DH)
+            edit(
+                n.lower(),
+                layer,
+                (h @ w[f"W_{n}"][layer] + w[f"b_{n}"][layer]).reshape(*h.shape[:2], H, DH),
+            )
             for n in "QKV"
         )
         scores = jnp.einsum("bqhe,bkhe->bhqk", q, k) / jnp.sqrt(jnp.float32(DH))
         pattern = jax.nn.softmax(jnp.where(causal, scores, jnp.finfo(jnp.float32).min), -1)
-        z = jnp.einsum("bhqk,bkhe->bqhe", pattern, v)
+        pattern = edit("pattern", layer, pattern)
+        z = edit("z", layer, jnp.einsum("bhqk,bkhe->bqhe", pattern, v))
         attn = z.reshape(*z.shape[:2], H * DH) @ w["W_O"][layer] + w["b_O"][layer]
+        attn = edit("attn_out", layer, attn)
         x = x + attn
         acc["resid_mid"].append(x)
         h = layer_norm(x, w["ln2"][0][layer], w["ln2"][1][layer])
         mlp = jax.nn.gelu(h @ w["W_in"][layer] + w["b_in"][layer]) @ w["W_out"][layer]
-        mlp = mlp + w["b_out"][layer]
+        mlp = edit("mlp_out", layer, mlp + w["b_out"][layer])
         x = x + mlp
         for name, val in [("attn_out", attn), ("mlp_out", mlp), ("z", z), ("pattern", pattern)]:
             acc[name].append(val)
@@ -203,10 +215,11 @@ class NGPT(nnx.Module):
 
 
 class ScannedGPT(nnx.Module):
-    """The blocks stacked on a leading axis and run under ``nnx.scan``."""
+    """The blocks (with ``nnx.MultiHeadAttention``) stacked on a leading axis and run under
+    ``nnx.scan``."""
 
     def __init__(self, w: dict[str, Any] = WEIGHTS) -> None:
-        plain = NGPT(w)
+        plain = NGPT(w, mha=True)
         self.embed, self.pos_embed, self.ln_f, self.unembed = (
             plain.embed,
             plain.pos_embed,

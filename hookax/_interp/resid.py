@@ -17,7 +17,6 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from .._capture.capture import capture
@@ -336,7 +335,9 @@ class ResidualStream:
         add up to the norm's output less its bias. ``pos`` is the positions the stack was
         sliced at."""
         values = stack.values if isinstance(stack, Stack) else stack
-        norm = norm_at(self.weights, self.components.final_norm or "", WHO, self.components.norm_kind)
+        norm = norm_at(
+            self.weights, self.components.final_norm or "", WHO, self.components.norm_kind
+        )
         if norm.centered:
             values = values - values.mean(-1, keepdims=True)
         values = values / _at_pos(self.norm_scale(), pos)
@@ -381,4 +382,3 @@ class ResidualStream:
             raise HookaxError(f"{WHO}: no components before that layer.")
         out = Stack(stacked, tuple(labels))
         return self.apply_ln_to_stack(out, pos=pos) if apply_ln else out  # type: ignore[return-value]
-
