@@ -104,6 +104,17 @@ def _first(values: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple(v[0] if isinstance(v, tuple) else v for v in values)
 
 
+def _get(acts: Mapping[str, tuple[Any, ...]], key: str) -> Any:
+    """The one value captured at ``key``; a key not captured raises, naming the fix."""
+    if key not in acts:
+        raise HookaxError(
+            f"{WHO}: {key!r} was not captured (the keys include "
+            f"{', '.join(repr(k) for k in list(acts)[:6])}). Fix: capture with the same "
+            f"components, y, acts = components.capture(fn)(*args)."
+        )
+    return acts[key][0]
+
+
 def _at_pos(x: Any, pos: Any) -> Any:
     """``x`` (``(..., position, feature)``) at ``pos``: an int, a slice or indices."""
     if pos is None:
@@ -135,7 +146,7 @@ class ResidualStream:
         self.attn = stack_layers(acts, c.attn)
         self.n_layers = int(self.attn.shape[0])
         self.mlp = None if c.mlp is None else stack_layers(acts, c.mlp)
-        self.embeds = [(k, acts[k][0]) for k in _as_tuple(c.embed)]
+        self.embeds = [(k, _get(acts, k)) for k in _as_tuple(c.embed)]
         out = self.attn + (0 if self.mlp is None else self.mlp)
         if c.blocks is not None:
             self.pre = stack_layers(acts, f"{c.blocks}:in")
@@ -148,7 +159,7 @@ class ResidualStream:
             start = jnp.broadcast_to(self._embed_sum(), self.attn.shape[1:])
             self.pre = start + jnp.concatenate([jnp.zeros_like(out[:1]), jnp.cumsum(out, 0)[:-1]])
         if c.final_norm is not None:
-            self.final = acts[f"{c.final_norm}:in"][0]
+            self.final = _get(acts, f"{c.final_norm}:in")
         else:
             self.final = self.pre[-1] + out[-1]
 
@@ -317,7 +328,7 @@ class ResidualStream:
             raise HookaxError(f"{WHO}: the final norm is unknown: Components(final_norm='ln_f').")
         norm = norm_at(self.weights, c.final_norm, WHO, c.norm_kind)
         x = self.final
-        y = self.acts[c.final_norm][0]
+        y = _get(self.acts, c.final_norm)
         if norm.centered:
             x = x - x.mean(-1, keepdims=True)
         u = x if norm.scale is None else x * norm.scale
