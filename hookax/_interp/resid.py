@@ -340,7 +340,7 @@ class ResidualStream:
         self, stack: Stack | Any, *, pos: Any = None, weight: bool = True
     ) -> Stack | Any:
         """The final norm applied to each component of ``stack`` with the forward's scale
-        frozen: centred (a LayerNorm), divided by :meth:`norm_scale`, times the norm's weight
+        frozen: centred (a LayerNorm), divided by `norm_scale()`, times the norm's weight
         (``weight=False``: without it, as TransformerLens' ``apply_ln_to_stack``, which
         assumes the weight folded into the unembedding). Linear, so the components' results
         add up to the norm's output less its bias. ``pos`` is the positions the stack was
@@ -392,4 +392,4 @@ class ResidualStream:
         if stacked is None:
             raise HookaxError(f"{WHO}: no components before that layer.")
         out = Stack(stacked, tuple(labels))
-        return self.apply_ln_to_stack(out, pos=pos) if apply_ln else out  # type: ignore[return-value]
+        return self.apply_ln_to_stack(out, pos=pos) if apply_ln else out
