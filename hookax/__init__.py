@@ -65,6 +65,15 @@ from ._hooks.hooks import register_full_backward_pre_hook as register_full_backw
 from ._hooks.hooks import remove_hooks as remove_hooks
 from ._hooks.intercept import Interceptor as Interceptor
 from ._hooks.intercept import intercept as intercept
+from ._interp.names import Name as Name
+from ._interp.names import Names as Names
+from ._interp.names import names as names
+from ._interp.names import transformer_names as transformer_names
+from ._interp.resid import Components as Components
+from ._interp.resid import ResidualStream as ResidualStream
+from ._interp.stack import Stack as Stack
+from ._interp.sweeps import patch_block_every as patch_block_every
+from ._interp.sweeps import patch_head_every as patch_head_every
 from ._patching.attribution import attribution_patch as attribution_patch
 from ._patching.cache import logit_lens as logit_lens
 from ._patching.cache import split_heads as split_heads
@@ -91,6 +100,7 @@ except _metadata.PackageNotFoundError:  # pragma: no cover - a source tree that 
 
 __all__ = [
     "ActivationStore",
+    "Components",
     "Context",
     "GradFlow",
     "HookError",
@@ -98,6 +108,8 @@ __all__ = [
     "HookaxError",
     "Interceptor",
     "Memory",
+    "Name",
+    "Names",
     "Nonfinite",
     "OpContext",
     "OpRow",
@@ -106,11 +118,13 @@ __all__ = [
     "Profile",
     "ProfileRow",
     "RecompileWarning",
+    "ResidualStream",
     "Select",
     "Selector",
     "SelectorError",
     "SiteStats",
     "Splice",
+    "Stack",
     "StaleTraceWarning",
     "Stats",
     "StatsLogger",
@@ -133,9 +147,12 @@ __all__ = [
     "layer_grad_norms",
     "logit_lens",
     "named_scopes",
+    "names",
     "open_store",
     "ops",
+    "patch_block_every",
     "patch_grid",
+    "patch_head_every",
     "patching",
     "plot_grad_flow",
     "plot_stats",
@@ -152,6 +169,7 @@ __all__ = [
     "stack_layers",
     "summary",
     "token_batches",
+    "transformer_names",
     "value_and_grad",
     "value_grad_and_stats",
 ]

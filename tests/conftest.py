@@ -30,6 +30,7 @@ def traces() -> TraceCounter:
 # pages are doctests and cannot carry a decorator.
 SLOW = (
     "docs/attention.md::",
+    "docs/from_transformer_lens.md::",
     "docs/patching.md::",
     "docs/generation.md::",
     "docs/float32_layer.md::",

@@ -21,6 +21,7 @@ FEATURES = ["_summary", "_harvest", "_patching"]  # side by side: none imports a
 LAYERS: dict[str, set[str]] = {part: set(STACK[:i]) for i, part in enumerate(STACK)}
 LAYERS |= {part: set(STACK) for part in FEATURES}
 LAYERS["_diagnostics"] = {*STACK, *FEATURES}
+LAYERS["_interp"] = {*STACK, "_patching"}  # TransformerLens' conveniences, on patching
 LAYERS["_cli"] = {*STACK, *FEATURES, "_diagnostics", "examples"}
 LAYERS["examples"] = set()
 # The public facade: hookax/__init__.py and __main__.py import anything; nothing imports them.

@@ -1,0 +1,261 @@
+"""Names users choose for call sites, their inputs and operations: ``hx.names({...})``.
+
+A :class:`Name` is a ``str`` (the address it stands for), so it goes wherever an address goes,
+in every ``where=`` and ``ops=`` of every API, with no API knowing about names. It also carries
+the axes of its value (``("batch", "pos", "head", "d_head")``), so ``heads=``/``axis=`` can be
+given by name (:meth:`Names.axis`), and its kind: a call site's output, its input
+(``"blocks/*:in"``), or an operation (``"blocks/*/attn:softmax"``). :meth:`Names.capture`
+keys results by name, every layer of a name on one leading axis (unrolled layers and a scanned
+stack alike), as TransformerLens' ``run_with_cache`` keys its cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from .._capture.capture import capture
+from .._engine.select import Select, split_layers, split_method
+from .._patching.cache import stack_layers
+from .._util.errors import HookaxError
+
+__all__ = ["Name", "Names", "names"]
+
+KINDS = ("site", "input", "op")
+
+
+class Name(str):
+    """An address with a name, the axes of its value and its kind (``"site"``, ``"input"``,
+    ``"op"``). A ``str``: ``where=names.attn_out`` is ``where="blocks/*/attn"``."""
+
+    name: str
+    axes: tuple[str, ...] | None
+    kind: str
+
+    def __new__(
+        cls, address: str, *, name: str = "", axes: Any = None, kind: str | None = None
+    ) -> Name:
+        self = super().__new__(cls, address)
+        self.name = name
+        self.axes = tuple(axes.split()) if isinstance(axes, str) else axes and tuple(axes)
+        self.kind = kind or _kind(address)
+        if self.kind not in KINDS:
+            raise HookaxError(f"hx.names: kind= takes one of {KINDS}, got {kind!r}.")
+        return self
+
+    def __reduce__(self) -> Any:
+        return (_rebuild, (str(self), self.name, self.axes, self.kind))
+
+    def layer(self, i: int) -> Name:
+        """The address of one layer: the first ``*`` segment of the path replaced by ``i``
+        (``"blocks/*/attn"`` -> ``"blocks/3/attn"``), or for a scanned stack's key the layer
+        suffix (``"blocks/attn"`` -> ``"blocks/attn[3]"``)."""
+        path, method = split_method(str(self))
+        segs = path.split("/")
+        if "*" in segs:
+            segs[segs.index("*")] = str(i)
+            path = "/".join(segs)
+        elif any("*" in s for s in segs):  # "blocks_*" (Linen's list names)
+            j = next(k for k, s in enumerate(segs) if "*" in s)
+            segs[j] = segs[j].replace("*", str(i), 1)
+            path = "/".join(segs)
+        else:
+            path = f"{split_layers(path)[0]}[{i}]"
+        return Name(
+            f"{path}:{method}" if method else path, name=self.name, axes=self.axes, kind=self.kind
+        )
+
+
+def _rebuild(address: str, name: str, axes: Any, kind: str) -> Name:
+    return Name(address, name=name, axes=axes, kind=kind)
+
+
+def _kind(address: str) -> str:
+    _, method = split_method(address)
+    if not method:
+        return "site"
+    return "input" if method == "in" else "op"
+
+
+class Names(Mapping[str, Name]):
+    """A table of names (``names["pattern"]``, ``names.pattern``), built by
+    [`hx.names`][hookax.names]."""
+
+    def __init__(self, table: Mapping[str, Any]) -> None:
+        self._table: dict[str, Name] = {}
+        for key, entry in table.items():
+            if isinstance(entry, Name):
+                entry = Name(str(entry), name=key, axes=entry.axes, kind=entry.kind)
+            elif isinstance(entry, str):
+                entry = Name(entry, name=key)
+            elif isinstance(entry, tuple) and len(entry) == 2:
+                entry = Name(entry[0], name=key, axes=entry[1])
+            else:
+                raise HookaxError(
+                    f"hx.names: {key!r} maps to {entry!r}; an entry is an address "
+                    f"('blocks/*/attn'), (address, axes) ('blocks/*/attn/query', 'batch pos head "
+                    f"d_head') or hx.Name(address, axes=..., kind=...)."
+                )
+            self._table[key] = entry
+
+    def __getitem__(self, key: str) -> Name:
+        try:
+            return self._table[key]
+        except KeyError:
+            raise KeyError(f"no name {key!r}; the names are {', '.join(self._table)}") from None
+
+    def __getattr__(self, key: str) -> Name:
+        if key.startswith("_"):
+            raise AttributeError(key)
+        try:
+            return self[key]
+        except KeyError as e:
+            raise AttributeError(str(e)) from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+    def __repr__(self) -> str:
+        rows = [
+            f"  {k!r}: {str(v)!r}" + (f" ({' '.join(v.axes)})" if v.axes else "")
+            for k, v in self._table.items()
+        ]
+        return "hx.names({\n" + ",\n".join(rows) + "\n})"
+
+    def __or__(self, other: Mapping[str, Any]) -> Names:
+        return Names({**self._table, **other})
+
+    def act(self, name: str, layer: int | None = None) -> Name:
+        """The address of ``name`` at ``layer`` (TransformerLens' ``get_act_name("z", 1)``);
+        without a layer, every layer's."""
+        n = self[name]
+        return n if layer is None else n.layer(layer)
+
+    def axis(self, name: str, axis: str) -> int:
+        """The index of axis ``axis`` in one call's value of ``name`` (for ``heads=``/
+        ``axis=``): ``names.axis("pattern", "head")``."""
+        n = self[name]
+        if not n.axes or axis not in n.axes:
+            raise HookaxError(
+                f"hx.names: {name!r} has axes {n.axes}, not {axis!r}. Fix: name its axes, "
+                f"hx.names({{{name!r}: ({str(n)!r}, 'batch pos head d_head')}})."
+            )
+        return n.axes.index(axis)
+
+    def capture(self, fn: Callable[..., Any], *which: str) -> Callable[..., tuple[Any, Any]]:
+        """``y, cache = names.capture(fn, "resid_pre", "pattern")(*args)``: ``cache[name]``
+        holds every layer's value on a leading axis (``hx.stack_layers``); a name matching
+        one call is that call's value. No names: every name of the table."""
+        picked = [self[w] for w in (which or tuple(self))]
+        sites = tuple({split_method(str(n))[0] for n in picked if n.kind != "op"})
+        ops = [str(n) for n in picked if n.kind == "op"]
+        inputs = any(n.kind == "input" for n in picked)
+        kw: dict[str, Any] = {"inputs": inputs}
+        if sites:
+            kw["where"] = Select(paths=sites)
+        if ops:
+            kw["ops"] = ops
+        forward = capture(fn, **kw)
+
+        def run(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+            y, acts = forward(*args, **kwargs)
+            acts = {k: _first(v) if k.endswith(":in") else v for k, v in acts.items()}
+            return y, {n.name: stack_layers(acts, str(n)) for n in picked}
+
+        return run
+
+
+def _first(values: tuple[Any, ...]) -> tuple[Any, ...]:
+    return tuple(v[0] if isinstance(v, tuple) else v for v in values)
+
+
+def names(table: Mapping[str, Any] | None = None, **entries: Any) -> Names:
+    """A table of names for addresses: call sites, their inputs (``"key:in"``) and operations.
+
+    Each entry is an address, ``(address, axes)`` with the axes of one call's value as a
+    space-separated string or a tuple, or an [`hx.Name`][hookax.Name]. An address with
+    ``:in`` names a call's input, another ``:suffix`` an operation (``"blocks/*/attn:softmax"``);
+    a method other than ``__call__`` needs ``hx.Name("enc:encode", kind="site")``. Names are
+    strings: pass them to any ``where=``/``ops=``.
+
+    Examples:
+      >>> import hookax as hx
+      >>> nm = hx.names({"attn_out": "blocks/*/attn",
+      ...                "pattern": ("blocks/*/attn:softmax", "batch head query key")})
+      >>> nm.attn_out, nm.act("pattern", 1), nm.axis("pattern", "head")
+      ('blocks/*/attn', 'blocks/1/attn:softmax', 1)
+      >>> nm.pattern.kind, hx.names(z="blocks/attn/out:in").act("z", 0)
+      ('op', 'blocks/attn/out[0]:in')
+    """
+    return Names({**(table or {}), **entries})
+
+
+_ATTENTION = {
+    # the layout of each library's attention module: its q/k/v call sites, the probabilities'
+    # operation with its axes, the output projection (its input is z, the heads' outputs)
+    "nnx": ("query", "key", "value", "group batch head query key", "out"),
+    "linen": ("query", "key", "value", "batch head query key", "out"),
+}
+
+
+def transformer_names(
+    blocks: str = "blocks/*",
+    *,
+    attn: str = "attn",
+    mlp: str = "mlp",
+    attention: str = "nnx",
+    embed: str | None = "embed",
+    pos_embed: str | None = None,
+    final_norm: str | None = "ln_f",
+) -> Names:
+    """TransformerLens' hook names for a transformer whose blocks hold an attention module of
+    a library, with the axes of each value named.
+
+    ``attention``: ``"nnx"`` (``nnx.MultiHeadAttention``) or ``"linen"``
+    (``nn.MultiHeadDotProductAttention``): ``q``/``k``/``v`` are its projections' outputs
+    ``(batch, pos, head, d_head)``, ``pattern`` the probabilities (Flax NNX computes them
+    under a ``vmap`` over head groups: a leading ``group`` axis), ``z`` the heads' outputs
+    entering the output projection; ``None`` for attention of your own (add its names with
+    ``|``). Every layout has ``embed``, ``pos_embed``, ``resid_pre`` (a block's input),
+    ``resid_post``, ``attn_out``, ``mlp_out`` and ``ln_final`` (the final norm's output).
+
+    Examples:
+      >>> import hookax as hx
+      >>> nm = hx.transformer_names("blocks/*", attention="nnx")
+      >>> nm.act("z", 1), nm.axis("z", "head"), nm.axis("pattern", "query")
+      ('blocks/1/attn/out:in', 2, 3)
+    """
+    resid = "batch pos d_model"
+    table: dict[str, Any] = {
+        "resid_pre": (f"{blocks}:in", resid),
+        "resid_post": (blocks, resid),
+        "attn_out": (f"{blocks}/{attn}", resid),
+    }
+    if mlp:
+        table["mlp_out"] = (f"{blocks}/{mlp}", resid)
+    if embed:
+        table["embed"] = (embed, resid)
+    if pos_embed:
+        table["pos_embed"] = (pos_embed, "pos d_model")
+    if final_norm:
+        table["ln_final"] = (final_norm, resid)
+    if attention is not None:
+        if attention not in _ATTENTION:
+            raise HookaxError(
+                f"hx.transformer_names: attention= takes {', '.join(map(repr, _ATTENTION))} or "
+                f"None (attention of your own: add its names with |), got {attention!r}."
+            )
+        q, k, v, pattern, out = _ATTENTION[attention]
+        a = f"{blocks}/{attn}"
+        heads = "batch pos head d_head"
+        table |= {
+            "q": (f"{a}/{q}", heads),
+            "k": (f"{a}/{k}", heads),
+            "v": (f"{a}/{v}", heads),
+            "pattern": (f"{a}:softmax", pattern),
+            "z": (f"{a}/{out}:in", heads),
+        }
+    return Names(table)
