@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import gc
 import textwrap
 from collections.abc import Callable
 from typing import Any
@@ -63,8 +64,11 @@ FORMS = list(_forms(nnx.Linear(1, 1, rngs=nnx.Rngs(0)), lambda: None))
 def _nothing_left_behind():
     # Hooks on modules that other tests in this process keep alive stay in the key: compare
     # with the key before the test, not with "no hooks anywhere".
+    # Collect first: modules that earlier tests dropped leave the key when they are collected.
+    gc.collect()
     before = _context.REGISTERED.value
     yield
+    gc.collect()
     assert _context.active_entries() == ()
     assert _context.call_stack() == []
     assert _context.REGISTERED.value == before
