@@ -3,9 +3,9 @@ leaves hooks registered exits cleanly."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
-import gc
 import textwrap
 from collections.abc import Callable
 from typing import Any
