@@ -110,7 +110,7 @@ class RecompileWarning(UserWarning):
 # how many times in a row it changed in its arrays only, warned]. Hashes only: the table must
 # not keep a function (or what its closure holds) alive.
 _FRESH: dict[Any, list[Any]] = {}
-_FRESH_LIMIT = 8  # changes in a row before the warning
+_FRESH_LIMIT = 4  # changes in a row before the warning (each one a compile)
 
 
 def note_fresh(key: FnKey, who: str, *, limit: int = _FRESH_LIMIT, fix: str | None = None) -> None:

@@ -82,13 +82,17 @@ def _template(v: Any, level: int, depth: int, out: list[Any]) -> Any:
         hash(treedef)
     except Exception:  # not a pytree with a hashable structure
         return _Static(v)
-    if not any(_is_array(x) for x in leaves):
+    if not any(_liftable(x, level) for x in leaves):
         return _Static(v)
     return ("tree", treedef, tuple(_leaf(x, level, out) for x in leaves))
 
 
+def _liftable(x: Any, level: int) -> bool:
+    return _is_array(x) or (level >= INTS and type(x) is int)
+
+
 def _leaf(x: Any, level: int, out: list[Any]) -> Any:
-    if _is_array(x):
+    if _liftable(x, level):
         out.append(x)
         return _ARRAY
     return _Static(x)
@@ -105,12 +109,12 @@ def _global_names(code: types.CodeType) -> set[str]:
 def _lifted_global(v: Any, level: int) -> bool:
     """Whether a global is read afresh on every call: arrays, ints (at :data:`INTS`), and
     containers or modules that hold arrays (an NNX model defined in a notebook)."""
-    if _is_array(v) or (level >= INTS and type(v) is int):
+    if _liftable(v, level):
         return True
     if isinstance(v, _OPAQUE):
         return False
     if isinstance(v, list | tuple | dict) or _is_module(v):
-        return any(_is_array(x) for x in jax.tree.leaves(v))
+        return any(_liftable(x, level) for x in jax.tree.leaves(v))
     return False
 
 
