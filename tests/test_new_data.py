@@ -48,6 +48,7 @@ def _model():
 
 
 CLEAN, CORRUPT = jnp.ones((1, 3, 4)), jnp.zeros((1, 3, 4))
+L0 = "layers/0"
 
 
 def _logit_diff(answers):
@@ -69,7 +70,7 @@ def _by_hand(model, answers):
 def test_new_answer_tokens_closed_over_by_the_metric_compile_nothing(kind):
     model = _model()
     make = (lambda a, b: jnp.array([a, b])) if kind == "array" else (lambda a, b: (a, b))
-    hx.patch_grid(model, (CLEAN,), (CORRUPT,), _logit_diff(make(0, 1)), where="layers/0")
+    hx.patch_grid(model, (CLEAN,), (CORRUPT,), _logit_diff(make(0, 1)), where=L0)
     for a, b in [(2, 3), (5, 4)]:
         with compiles() as names:
             grid = hx.patch_grid(
@@ -81,10 +82,10 @@ def test_new_answer_tokens_closed_over_by_the_metric_compile_nothing(kind):
 
 def test_a_new_prompt_compiles_nothing():
     model, metric = _model(), _logit_diff(jnp.array([0, 1]))
-    hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where="layers/0")
+    hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where=L0)
     clean, corrupt = CLEAN * 2, CORRUPT + 1
     with compiles() as names:
-        hx.patch_grid(model, (clean,), (corrupt,), metric, where="layers/0")
+        hx.patch_grid(model, (clean,), (corrupt,), metric, where=L0)
     assert names == []
 
 
@@ -98,10 +99,10 @@ def _global_metric(y):
 def test_a_global_the_metric_reads_is_read_afresh_without_compiling():
     global ANSWERS
     model = _model()
-    hx.patch_grid(model, (CLEAN,), (CORRUPT,), _global_metric, where="layers/0")
+    hx.patch_grid(model, (CLEAN,), (CORRUPT,), _global_metric, where=L0)
     ANSWERS = jnp.array([4, 2])
     with compiles() as names:
-        grid = hx.patch_grid(model, (CLEAN,), (CORRUPT,), _global_metric, where="layers/0")
+        grid = hx.patch_grid(model, (CLEAN,), (CORRUPT,), _global_metric, where=L0)
     assert names == []
     np.testing.assert_allclose(grid[0], _by_hand(model, (4, 2)), rtol=1e-5, atol=1e-6)
 
@@ -112,10 +113,10 @@ def _forward(model):
 
 def test_a_model_closed_over_by_fn_is_read_afresh_without_compiling():
     model, metric = _model(), _logit_diff(jnp.array([0, 1]))
-    hx.patch_grid(_forward(model), (CLEAN,), (CORRUPT,), metric, where="layers/0")
+    hx.patch_grid(_forward(model), (CLEAN,), (CORRUPT,), metric, where=L0)
     model.layers[2].kernel[...] = 2.0 * model.layers[2].kernel[...]  # trained further, in place
     with compiles() as names:
-        grid = hx.patch_grid(_forward(model), (CLEAN,), (CORRUPT,), metric, where="layers/0")
+        grid = hx.patch_grid(_forward(model), (CLEAN,), (CORRUPT,), metric, where=L0)
     assert names == []
     np.testing.assert_allclose(grid[0], _by_hand(model, (0, 1)), rtol=1e-5, atol=1e-6)
 
@@ -124,9 +125,9 @@ def _steered(model, vector, how):
     def fn(x):
         if how == "intercept":
             edit = lambda nf, a, k, c: nf(*a, **k) + vector  # noqa: E731
-            with hx.intercept(edit, where="layers/0"):
+            with hx.intercept(edit, where=L0):
                 return model(x)
-        with hx.hooks(forward=lambda m, a, out: out + vector, where="layers/0"):
+        with hx.hooks(forward=lambda m, a, out: out + vector, where=L0):
             return model(x)
 
     return fn
@@ -161,7 +162,7 @@ def test_new_answers_in_attribution_compile_nothing():
             model, (CLEAN,), (CORRUPT,), _logit_diff(jnp.array([3, 2])), where="layers/0"
         )
     assert names == []
-    fresh = hx.attribution_patch(model, (CLEAN,), (CORRUPT,), _logit_diff((3, 2)), where="layers/0")
+    fresh = hx.attribution_patch(model, (CLEAN,), (CORRUPT,), _logit_diff((3, 2)), where=L0)
     np.testing.assert_allclose(est, fresh, rtol=1e-6)
 
 
@@ -172,7 +173,7 @@ def test_ints_used_as_static_values_fall_back_to_a_program_per_value():
         return lambda y: y[0, -1, :k].sum()  # k is a shape: it cannot be traced
 
     for k in (2, 3):
-        grid = hx.patch_grid(model, (CLEAN,), (CORRUPT,), top(k), where="layers/0")
+        grid = hx.patch_grid(model, (CLEAN,), (CORRUPT,), top(k), where=L0)
         expected = model(CLEAN)[0, -1, :k].sum()
         np.testing.assert_allclose(grid[0, -1], expected, rtol=1e-5)
 
@@ -196,7 +197,7 @@ def test_the_same_metric_twice_is_silent():
     with warnings.catch_warnings():
         warnings.simplefilter("error", hx.RecompileWarning)
         for _ in range(3):
-            hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where="layers/0")
+            hx.patch_grid(model, (CLEAN,), (CORRUPT,), metric, where=L0)
 
 
 def test_under_jit_the_closed_over_tracers_are_lifted_too():
@@ -204,7 +205,7 @@ def test_under_jit_the_closed_over_tracers_are_lifted_too():
 
     @jax.jit
     def grid_for(answers):
-        return hx.patch_grid(model, (CLEAN,), (CORRUPT,), _logit_diff(answers), where="layers/0")
+        return hx.patch_grid(model, (CLEAN,), (CORRUPT,), _logit_diff(answers), where=L0)
 
     np.testing.assert_allclose(
         grid_for(jnp.array([3, 1]))[0], _by_hand(model, (3, 1)), rtol=1e-5, atol=1e-6
