@@ -87,6 +87,7 @@ from ._summary.summary import SummaryRow as SummaryRow
 from ._summary.summary import SummaryTotals as SummaryTotals
 from ._summary.summary import summary as summary
 from ._transforms.optrace import OpContext as OpContext
+from ._util.compcache import compilation_cache as compilation_cache
 from ._util.errors import HookaxError as HookaxError
 from ._util.errors import HookError as HookError
 from ._util.errors import SelectorError as SelectorError
@@ -136,6 +137,7 @@ __all__ = [
     "Values",
     "attribution_patch",
     "capture",
+    "compilation_cache",
     "find_nonfinite",
     "grad_flow",
     "harvest",

@@ -30,7 +30,7 @@ WHO = "hx.attribution_patch"
 @dataclasses.dataclass(frozen=True)
 class _Spec:
     rest: compiled.Static
-    metric: Any
+    metric: compiled.Static
     keys: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]  # each target's output shape (one call, one layer)
     axis: int
@@ -107,12 +107,14 @@ def _project(term: Any, cols: Any, shape: tuple[int, ...], axis: int, key: str) 
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _attribute(spec: _Spec, dyn: list[Any], clean: dict[str, Any], cols: Any) -> Any:
+def _attribute(
+    spec: _Spec, dyn: list[Any], mdyn: list[Any], clean: dict[str, Any], cols: Any
+) -> Any:
     fn, args = compiled.join(dyn, spec.rest)
     keys, ops = list(spec.keys), list(spec.ops)
     sites = [k for k in keys if k not in ops]
     inputs = [k for k in sites if split_input(k)[1]]
-    loss = _loss(compiled.value_of(spec.metric), keys, ops, inputs)
+    loss = _loss(compiled.join(mdyn, spec.metric), keys, ops, inputs)
     # Differentiated (argnums=0), so the model is not: a zero, or for inputs ("key:in") zeros
     # added to them (one per call, as their clean values), whose gradients are theirs.
     deltas: Any = jnp.zeros((), jnp.float32)
@@ -186,7 +188,11 @@ def attribution_patch(
       >>> bool(jnp.allclose(est, exact - metric(model(corrupt))))  # exact for a linear metric
       True
     """
-    plan = Plan(WHO, fn, clean_args, corrupt_args, metric, where, positions, axis, ops, heads)
-    shapes = tuple(tuple(plan.shapes[k].shape) for k in plan.keys)
-    spec = _Spec(plan.rest, plan.metric, tuple(plan.keys), shapes, axis, tuple(plan.ops), heads)
-    return _attribute(spec, plan.dyn, plan.acts, plan.cols)
+
+    def run() -> jax.Array:
+        plan = Plan(WHO, fn, clean_args, corrupt_args, metric, where, positions, axis, ops, heads)
+        shapes = tuple(tuple(plan.shapes[k].shape) for k in plan.keys)
+        spec = _Spec(plan.rest, plan.metric, tuple(plan.keys), shapes, axis, tuple(plan.ops), heads)
+        return _attribute(spec, plan.dyn, plan.mdyn, plan.acts, plan.cols)
+
+    return compiled.retrying(WHO, (fn, metric), run)

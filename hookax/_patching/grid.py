@@ -43,7 +43,7 @@ CPU_MIN_CHUNK = 8
 @dataclasses.dataclass(frozen=True)
 class _GridSpec:
     rest: compiled.Static  # (fn, corrupt args) without their arrays
-    metric: Any  # a static_key of the metric
+    metric: compiled.Static  # the metric without the values it closes over
     keys: tuple[str, ...]
     axis: int
     ops: tuple[str, ...] = ()  # the keys that are operations (patched by hx.intercept_op)
@@ -85,10 +85,12 @@ def _patched(spec: _GridSpec, key: str, values: dict[str, Any], col: Any, head: 
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def _grid(spec: _GridSpec, dyn: list[Any], values: dict[str, Any], patches: Any) -> Any:
+def _grid(
+    spec: _GridSpec, dyn: list[Any], mdyn: list[Any], values: dict[str, Any], patches: Any
+) -> Any:
     """Every target's row for ``patches`` (``(columns, heads)``, either None, a leading axis
     on those given): one program, one vmap per target."""
-    metric = compiled.value_of(spec.metric)
+    metric = compiled.join(mdyn, spec.metric)
 
     def one(key: str, dyn: list[Any], patch: Any, values: dict[str, Any]) -> Any:
         fn, args = compiled.join(dyn, spec.rest)  # rebuilt inside the vmap (NNX transforms)
@@ -195,7 +197,7 @@ class Plan:
         clean_dyn, clean_rest = compiled.split((fn, clean_args))
         self.acts = _clean(clean_rest, tuple(self.keys), tuple(self.ops), clean_dyn)
         self.dyn, self.rest = compiled.split((fn, corrupt_args))
-        self.metric = compiled.static_key(metric)
+        self.mdyn, self.metric = compiled.split(metric, ints=True)
 
     def spec(self) -> _GridSpec:
         shapes = tuple(tuple(self.shapes[k].shape) for k in self.keys)
@@ -264,16 +266,17 @@ class Plan:
     def grid(self, chunk_size: int | None) -> Any:
         chunks = self.chunks(chunk_size)
         if all(p is None for p in chunks[0][0]):
-            return _grid(self.spec(), self.dyn, self.values(), chunks[0][0])
+            return _grid(self.spec(), self.dyn, self.mdyn, self.values(), chunks[0][0])
         parts = [
-            _grid(self.spec(), self.dyn, self.values(), chunk)[:, :used] for chunk, used in chunks
+            _grid(self.spec(), self.dyn, self.mdyn, self.values(), chunk)[:, :used]
+            for chunk, used in chunks
         ]
         return self.layout(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1))
 
     def compiled(self, chunk_size: int | None) -> Any:
         """The compiled program of one chunk (for its memory analysis)."""
         chunk, _ = self.chunks(chunk_size)[0]
-        return _grid.lower(self.spec(), self.dyn, self.values(), chunk).compile()
+        return _grid.lower(self.spec(), self.dyn, self.mdyn, self.values(), chunk).compile()
 
 
 def patch_grid(
@@ -366,5 +369,9 @@ def patch_grid(
     """
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise PatchError(f"{WHO}: chunk_size= takes a positive int or None, got {chunk_size!r}.")
-    plan = Plan(WHO, fn, clean_args, corrupt_args, metric, where, positions, axis, ops, heads)
-    return plan.grid(chunk_size)
+
+    def run() -> jax.Array:
+        plan = Plan(WHO, fn, clean_args, corrupt_args, metric, where, positions, axis, ops, heads)
+        return plan.grid(chunk_size)
+
+    return compiled.retrying(WHO, (fn, metric), run)

@@ -52,7 +52,7 @@ def discover_ops(fn: Any, args: tuple[Any, ...], ops: Any, who: str) -> dict[str
     cached by structure and shapes. A pattern that matches nothing raises, naming it."""
     texts = [p.text for p in parse_ops(ops, who)]
     dyn, rest = compiled.split((fn, args))
-    cache_key = (rest, tuple(texts), tuple(None if d is None else (d.shape, d.dtype) for d in dyn))
+    cache_key = (rest, tuple(texts), compiled.avals(dyn))
     hit = _SHAPES.get(cache_key)
     if hit is not None:
         return hit

@@ -73,7 +73,7 @@ def discover(fn: Any, args: tuple[Any, ...]) -> dict[str, list[Any]]:
     """``{key: [output ShapeDtypeStruct per call]}`` of every call site ``fn(*args)`` runs,
     keys in the order of their first call (found abstractly; cached by structure and shapes)."""
     dyn, rest = compiled.split((fn, args))
-    cache_key = (rest, tuple(None if d is None else (d.shape, d.dtype) for d in dyn))
+    cache_key = (rest, compiled.avals(dyn))
     hit = _SHAPES.get(cache_key)
     if hit is not None:
         return hit
@@ -308,7 +308,7 @@ def _matched(
     """The keys of the call sites ``sel`` picks, in call order (abstractly; cached like
     :func:`discover`); one layer of a scanned stack as ``hx.capture`` names it."""
     dyn, rest = compiled.split((fn, args))
-    cache_key = (rest, tuple(None if d is None else (d.shape, d.dtype) for d in dyn), sel)
+    cache_key = (rest, compiled.avals(dyn), sel)
     hit = _MATCHED.get(cache_key)
     if hit is None:
         hit = []

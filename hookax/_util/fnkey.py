@@ -110,23 +110,24 @@ class RecompileWarning(UserWarning):
 # how many times in a row it changed in its arrays only, warned]. Hashes only: the table must
 # not keep a function (or what its closure holds) alive.
 _FRESH: dict[Any, list[Any]] = {}
-_FRESH_LIMIT = 8  # changes in a row before the warning
+_FRESH_LIMIT = 4  # changes in a row before the warning (each one a compile)
 
 
-def note_fresh(key: FnKey, who: str) -> None:
+def note_fresh(key: FnKey, who: str, *, limit: int = _FRESH_LIMIT, fix: str | None = None) -> None:
     """Warn once per function when ``who`` (``"hx.intercept"``) keeps getting a new key for the
-    same code: a closure over a new array each call."""
+    same code: a closure over a new array each call (``limit`` changes in a row; ``fix``: what
+    to say instead of the default fix)."""
     code = getattr(key.fn, "__code__", None)
     if code is None:
         return
     if _holds_tracer(key._key):
         return  # made inside a trace (each trace is a compile anyway): the fix, not the footgun
-    h, masked = key._hash, hash(_masked(key._key))
+    h, masked, ids = key._hash, hash(_masked(key._key)), _cell_ids(key.fn)
     seen = _FRESH.get(code)
     if seen is None:
         if len(_FRESH) > 4096:  # many distinct functions: forget the oldest
             _FRESH.pop(next(iter(_FRESH)))
-        _FRESH[code] = [h, masked, 0, False]
+        _FRESH[code] = [h, masked, 0, False, ids]
         return
     if seen[0] == h:
         seen[2] = 0
@@ -134,24 +135,41 @@ def note_fresh(key: FnKey, who: str) -> None:
     # Only a change of arrays held by identity counts (the footgun: a new array each step);
     # different constants, strings or objects are different functions on purpose.
     only_arrays = seen[1] == masked
-    seen[0], seen[1] = h, masked
+    changed = [n for n, (a, b) in zip(code.co_freevars, zip(seen[4], ids)) if a != b]
+    seen[0], seen[1], seen[4] = h, masked, ids
     seen[2] = seen[2] + 1 if only_arrays else 0
-    if seen[2] >= _FRESH_LIMIT and not seen[3]:
+    if seen[2] >= limit and not seen[3]:
         seen[3] = True
         import warnings
 
         name = getattr(key.fn, "__qualname__", repr(key.fn))
-        changed = _changed_cells(key.fn)
+        what = f"; the value that changed: {', '.join(changed)}" if changed else ""
+        fix = fix or (
+            "each new value is a new cache key, so jitted functions retrace and eager "
+            "operations of the hooked call sites recompile every call (about 150x slower). Fix: "
+            "pass the changing value as an argument of a jitted step that enters the block "
+            "inside it (jax.jit(step)(model, x, value)), or define the function once outside "
+            "the loop."
+        )
         warnings.warn(
             f"{who}: {name!r} ({code.co_filename}:{code.co_firstlineno}) was created "
-            f"{_FRESH_LIMIT} times in a row over different closure values{changed}; each new "
-            f"value is a new cache key, so jitted functions retrace and eager operations of the "
-            f"hooked call sites recompile every call (about 150x slower). Fix: pass the "
-            f"changing value as an argument of a jitted step that enters the block inside it "
-            f"(jax.jit(step)(model, x, value)), or define the function once outside the loop.",
+            f"{limit} times in a row over different closure values"
+            f"{_changed_cells(key.fn)}{what}; {fix}",
             RecompileWarning,
             stacklevel=4,
         )
+
+
+def _cell_ids(fn: Any) -> tuple[int, ...]:
+    """The identities of ``fn``'s closure contents (for naming the one that changed; ids only,
+    nothing is kept alive)."""
+    out = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            out.append(id(cell.cell_contents))
+        except ValueError:
+            out.append(0)
+    return tuple(out)
 
 
 class _AnArray:
