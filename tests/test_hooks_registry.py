@@ -3,7 +3,6 @@ leaves hooks registered exits cleanly."""
 
 from __future__ import annotations
 
-import gc
 import subprocess
 import sys
 import textwrap
@@ -60,18 +59,23 @@ def _forms(model: nnx.Module, traced: Callable[[], None]) -> dict[str, Callable[
 FORMS = list(_forms(nnx.Linear(1, 1, rngs=nnx.Rngs(0)), lambda: None))
 
 
+def _hooked() -> set[int]:
+    """The live modules the registry key holds hooks of."""
+    value = _context.REGISTERED.value
+    if value is None:
+        return set()
+    return {id(m) for held in value.held if (m := held.module()) is not None}
+
+
 @pytest.fixture(autouse=True)
 def _nothing_left_behind():
-    # Hooks on modules that other tests in this process keep alive stay in the key: compare
-    # with the key before the test, not with "no hooks anywhere".
-    # Collect first: modules that earlier tests dropped leave the key when they are collected.
-    gc.collect()
-    before = _context.REGISTERED.value
+    # Modules of other tests in this process may still hold hooks, and leave the key whenever
+    # JAX's caches drop them: check that this test added no hooked module.
+    before = _hooked()
     yield
-    gc.collect()
     assert _context.active_entries() == ()
     assert _context.call_stack() == []
-    assert _context.REGISTERED.value == before
+    assert _hooked() <= before
 
 
 @pytest.mark.parametrize("form", FORMS)
