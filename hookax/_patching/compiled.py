@@ -6,7 +6,8 @@ options), which picks the compiled program. A compiled grid is reused by every l
 an equal rest: functions compare like interceptors (:class:`~hookax._util.fnkey.FnKey`: code
 and closure), other objects by value when hashable, else by identity. A function that closes
 over an NNX module is never reused (the module can change in place behind the same closure); a
-module passed itself, or among the arguments, is read afresh on every call.
+module passed itself, or among the arguments, is read afresh on every call, and enters the
+program as ``nnx.split`` state merged inside (:mod:`hookax._util.nnxsplit`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._util import nnxsplit
 from .._util.fnkey import FnKey
 
 __all__ = ["Static", "join", "reusable", "split", "static_key", "value_of"]
@@ -118,8 +120,9 @@ class Static:
 
 
 def split(tree: Any) -> tuple[list[Any], Static]:
-    """``(arrays, rest)``: the array leaves (None elsewhere) and the hashable rest."""
-    leaves, treedef = jax.tree.flatten(tree)
+    """``(arrays, rest)``: the array leaves (None elsewhere) and the hashable rest. NNX modules
+    are split into graphdef (in the rest) and state (:mod:`hookax._util.nnxsplit`)."""
+    leaves, treedef = jax.tree.flatten(nnxsplit.lift(tree))
     dyn = [x if is_array(x) else None for x in leaves]
     rest = tuple(None if is_array(x) else static_key(x) for x in leaves)
     return dyn, Static(treedef, rest)
@@ -128,4 +131,4 @@ def split(tree: Any) -> tuple[list[Any], Static]:
 def join(dyn: list[Any], rest: Static) -> Any:
     """The pytree :func:`split` cut: arrays from ``dyn``, the other leaves from ``rest``."""
     leaves = [d if s is None else value_of(s) for d, s in zip(dyn, rest.leaves)]
-    return jax.tree.unflatten(rest.treedef, leaves)
+    return nnxsplit.lower(jax.tree.unflatten(rest.treedef, leaves))
