@@ -34,6 +34,7 @@ from .._transforms import tagrules as _tagrules
 from .._transforms import tags as _tags
 from .._util.errors import HookaxError
 from .._util.fnkey import FnKey
+from .._util.parts import with_axes
 from . import jitted as _jitted
 from . import ops as _ops
 
@@ -331,8 +332,11 @@ def layer_split(
         if not (kind == "cond" or (kind == "while" and n is None))
     )
 
+    leaves, treedef = jax.tree.flatten(tree)
+    one = with_axes(treedef, drop=axis)  # a NamedArray's names lose the layer axis
+
     def layer(i: int) -> Any:
-        return jax.tree.map(lambda x: jax.lax.index_in_dim(x, i, axis, False), tree)
+        return one.unflatten([jax.lax.index_in_dim(x, i, axis, False) for x in leaves])
 
     return [(f"{site}[{i}]{tail}", layer(i)) for i in layers]
 
