@@ -104,8 +104,10 @@ _EVERY_CALL_SITE = as_selector(None, ALL_METHODS)
 def _check_collision(live: _tags.Session, ctx: Any) -> None:
     """Refuse two different NNX modules under one key (two separate roots in one function)."""
     adapter = ctx._frame.adapter
-    if getattr(adapter, "name", None) != "nnx":
-        return  # Linen/Equinox rebuild module objects per call: identity means nothing there
+    if getattr(adapter, "name", None) != "nnx" or ctx._frame.bridged():
+        # Linen/Equinox (and Flax's ToLinen bridge, for the NNX modules it builds) rebuild
+        # module objects per call: identity means nothing there
+        return
     *_, module = adapter.aliases(ctx.module)  # the outermost copy (inside NNX transforms)
     ref = live.owners.get(ctx.key)
     first = ref() if ref is not None else None
