@@ -296,7 +296,7 @@ def _act_grads(records: list[Any], order: list[str], g: Any) -> dict[str, tuple[
     """The perturbations' gradients by call-site key, one entry per call, in call order."""
     act_grads: dict[str, list[Any]] = {k: [] for k in order}
     for (key, spec, _, (axes, layered)), leaves in zip(records, g):
-        tree = _tags.unwrap(spec.rebuild(list(leaves)))
+        tree = _tags.unwrap(spec.rebuild(list(leaves), axes))
         for k, v in _capture.layer_split(key, tree, axes, layered):
             act_grads.setdefault(k, []).append(v)
     return {k: tuple(v) for k, v in act_grads.items()}

@@ -34,6 +34,7 @@ from .._transforms import tagrules as _tagrules
 from .._transforms import tags as _tags
 from .._util.errors import HookaxError
 from .._util.fnkey import FnKey
+from .._util.parts import with_axes
 from . import jitted as _jitted
 from . import ops as _ops
 
@@ -103,8 +104,10 @@ _EVERY_CALL_SITE = as_selector(None, ALL_METHODS)
 def _check_collision(live: _tags.Session, ctx: Any) -> None:
     """Refuse two different NNX modules under one key (two separate roots in one function)."""
     adapter = ctx._frame.adapter
-    if getattr(adapter, "name", None) != "nnx":
-        return  # Linen/Equinox rebuild module objects per call: identity means nothing there
+    if getattr(adapter, "name", None) != "nnx" or ctx._frame.bridged():
+        # Linen/Equinox (and Flax's ToLinen bridge, for the NNX modules it builds) rebuild
+        # module objects per call: identity means nothing there
+        return
     *_, module = adapter.aliases(ctx.module)  # the outermost copy (inside NNX transforms)
     ref = live.owners.get(ctx.key)
     first = ref() if ref is not None else None
@@ -331,8 +334,11 @@ def layer_split(
         if not (kind == "cond" or (kind == "while" and n is None))
     )
 
+    leaves, treedef = jax.tree.flatten(tree)
+    one = with_axes(treedef, drop=axis)  # a NamedArray's names lose the layer axis
+
     def layer(i: int) -> Any:
-        return jax.tree.map(lambda x: jax.lax.index_in_dim(x, i, axis, False), tree)
+        return one.unflatten([jax.lax.index_in_dim(x, i, axis, False) for x in leaves])
 
     return [(f"{site}[{i}]{tail}", layer(i)) for i in layers]
 

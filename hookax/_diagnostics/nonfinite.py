@@ -21,6 +21,7 @@ import numpy as np
 from .._capture import actgrad as _actgrad
 from .._capture import capture as _capture
 from .._patching import compiled
+from .._util import nnxsplit
 from .._util.errors import HookaxError
 from . import stats as _stats
 
@@ -246,7 +247,7 @@ def find_nonfinite(
     spec = _Spec(compiled.static_key(loss_fn), compiled.static_key(where), nums, argnums, has_aux)
     equinox = _actgrad.framework_mode(loss_fn, args, {}) == "equinox"
     step = _step(equinox) if compiled.reusable(spec.loss_fn) else _make_step(equinox)
-    loss, grads, counts, found = step(spec, *args)
+    loss, grads, counts, found = step(spec, args if equinox else nnxsplit.lift(args))
     loss, grads, counts = jax.device_get((loss, grads, counts))
     sites = _sites(found.records, [np.asarray(c) for c in counts])
     return _first(sites, float(loss), grads)
@@ -274,7 +275,8 @@ class _Found:
 jax.tree_util.register_static(_Found)
 
 
-def _run_step(spec: _Spec, *args: Any) -> tuple[Any, Any, Any, _Found]:
+def _run_step(spec: _Spec, packed: Any) -> tuple[Any, Any, Any, _Found]:
+    args = nnxsplit.lower(packed)  # NNX modules come in as nnx.split state
     marker = functools.partial(_stats.StatsMarker, names=("nonfinite",))
     fn, where = compiled.value_of(spec.loss_fn), compiled.value_of(spec.where)
     value, grads, records, g = _stats.run(

@@ -264,6 +264,7 @@ class Frame:
     """One call site in progress: a module, a method name, and how to find its path."""
 
     __slots__ = (
+        "_bridged",
         "_path",
         "_paths",
         "adapter",
@@ -285,6 +286,9 @@ class Frame:
         self.adapter = adapter
         self._path: tuple[Any, ...] | None = None
         self._paths: dict[int, tuple[tuple[Any, ...], Any]] | None = None
+        # A root of its own framework below a call of another's (an NNX module that Flax's
+        # ToLinen bridge builds per call): its path is that call's, its modules' are below it.
+        self._bridged = False
         # The call site's Context; set by the dispatcher whenever any scoped entry is active.
         self.context: Context | None = None
         # The call's (args, kwargs), and its layer index once asked (see Context.layer).
@@ -325,7 +329,7 @@ class Frame:
         """Frames whose module is a root for path lookups: innermost local root first."""
         f = self.parent
         while f is not None:
-            if f.path == ():
+            if f.path == () or f._bridged:
                 yield f
             f = f.parent
 
@@ -351,12 +355,36 @@ class Frame:
             for root in self._roots():
                 path = root._lookup(self.module)
                 if path is not None:
+                    path = root.path + path
                     break
             if path is None:
                 path = self._rebuilt_path()
+            if path is None:
+                path = self._bridged_path()
             # Not reachable from any root in progress: this module is a root of its own.
             self._path = () if path is None else path
         return self._path
+
+    def _bridged_path(self) -> tuple[Any, ...] | None:
+        """The path of a root of its own framework called inside a call of another framework's
+        module (Flax's ``nnx.bridge.ToLinen`` builds and calls an NNX module inside a Linen
+        call): that call's path, its own modules below it."""
+        f = self.parent
+        while f is not None and f.adapter is self.adapter:
+            f = f.parent
+        if f is None or f.path == ():
+            return None
+        self._bridged = True
+        return f.path
+
+    def bridged(self) -> bool:
+        """Whether this call runs below a bridged root (modules rebuilt on every call)."""
+        f: Frame | None = self
+        while f is not None:
+            if f._bridged:
+                return True
+            f = f.parent
+        return False
 
     def _rebuilt_path(self) -> tuple[Any, ...] | None:
         """The path of a module that a JAX transform rebuilt from a module of the model (an

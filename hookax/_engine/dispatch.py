@@ -88,6 +88,23 @@ def call(
             adapter.root_done()
 
 
+def bare(
+    fn: Callable[..., Any], method: str, module: Any, args: tuple, kwargs: dict, adapter: Any
+) -> Any:
+    """Run ``fn(module, *args, **kwargs)`` as a call that is no call site (a framework's bridge
+    to another: Flax's ``ToLinen``): no interceptor, hook or capture sees it, but the modules it
+    calls find their paths below its own."""
+    stack = _context.call_stack()
+    frame = _context.Frame(module, method, stack[-1] if stack else None, adapter)
+    stack.append(frame)
+    try:
+        return fn(module, *args, **kwargs)
+    finally:
+        stack.pop()
+        if not stack:
+            adapter.root_done()
+
+
 def _run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     run = run_method[0]
 

@@ -43,10 +43,11 @@ def _jit(fn: Callable[..., Any], model: Any) -> Callable[..., Any]:
 
     from .._capture.actgrad import is_nnx_module
 
-    if is_nnx_module(model):
-        from flax import nnx
+    if is_nnx_module(model):  # an argument of jax.jit (nnx.split state if no pytree)
+        from .._util import nnxsplit
 
-        return nnx.jit(fn)
+        jitted = jax.jit(lambda packed, batch: fn(nnxsplit.lower(packed), batch))
+        return lambda model, batch: jitted(nnxsplit.lift(model), batch)
     try:
         import equinox as eqx
     except ImportError:
@@ -84,8 +85,8 @@ def splice_eval(
     Args:
       loss_fn: ``loss_fn(model, batch)``: a scalar mean loss (batches count equally), or a
         ``(loss sum, count)`` pair (every counted token counts equally, e.g. with padding).
-      model: the model, passed to ``loss_fn`` as an argument (``nnx.jit`` for an NNX module,
-        ``eqx.filter_jit`` otherwise: any pytree, such as Linen variables).
+      model: the model, passed to ``loss_fn`` as an argument (of ``jax.jit`` for an NNX
+        module, of ``eqx.filter_jit`` otherwise: any pytree, such as Linen variables).
       batches: an iterable of batches; iterated once.
       where: the call site(s) to replace (as [`hx.hooks`][hookax.hooks]: its ``__call__``).
       replace: ``replace(output) -> new output`` of the same shape.

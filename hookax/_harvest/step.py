@@ -4,8 +4,9 @@ The step runs a capture session under jit (``hx.capture``'s, whose records also 
 leading axes scans stacked on each value), casts floating outputs to the store's
 dtype on the device (so ``bfloat16`` also halves the bytes moved to the host), flattens every
 captured output into named leaves (one stored array each) and computes the batch's row mask. An
-NNX module is passed to ``nnx.jit`` as an argument (its parameters are not baked into the
-program); any other function is jitted with ``jax.jit``, closing over the modules it calls.
+NNX module is an argument of ``jax.jit`` (as its variables' arrays, or ``nnx.split`` state for
+one that is no pytree: :mod:`hookax._util.nnxsplit`), so its parameters are not baked into the
+program; any other function is jitted with ``jax.jit``, closing over the modules it calls.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 
 from .._capture.actgrad import is_nnx_module
 from .._transforms.cutscan import cut_scans
+from .._util import nnxsplit
 from .._util.errors import HookaxError
 from .._util.parts import parts
 
@@ -219,12 +221,15 @@ class Step:
             return out
 
         if is_nnx_module(fn):
-            from flax import nnx
-
-            jitted = nnx.jit(body)
-            self._run: Callable[..., Any] = lambda *args: jitted(fn, *args)
-            self._shapes: Callable[..., Any] = lambda *args: nnx.eval_shape(body, fn, *args)
-            self._lower: Callable[..., Any] = lambda *args: jitted.lower(fn, *args)
+            # An argument of jax.jit, rebuilt inside (read afresh on every call):
+            # no NNX transform walking the graph per batch, and what the model sets on itself
+            # while running (a variable created on first use) stays inside the program.
+            jitted = jax.jit(lambda packed, *args: body(nnxsplit.lower(packed), *args))
+            self._run: Callable[..., Any] = lambda *args: jitted(nnxsplit.lift(fn), *args)
+            self._shapes: Callable[..., Any] = lambda *args: jax.eval_shape(
+                jitted, nnxsplit.lift(fn), *args
+            )
+            self._lower: Callable[..., Any] = lambda *args: jitted.lower(nnxsplit.lift(fn), *args)
         else:
             run = jax.jit(lambda *args: body(fn, *args))
             self._run = run

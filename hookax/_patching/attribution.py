@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .._capture.actgrad import value_and_grad
+from .._util import nnxsplit
 from . import compiled, targets
 from .grid import Plan, capture_targets
 from .heads import patch_mask
@@ -120,9 +121,12 @@ def _attribute(
     deltas: Any = jnp.zeros((), jnp.float32)
     if inputs:
         deltas = {k: tuple(jnp.zeros(v.shape, jnp.float32) for v in clean[k]) for k in inputs}
-    # A module goes in as an argument (NNX transforms inside it need it at this trace level);
-    # a function without arrays (Linen's apply) as an empty pytree that holds it.
-    held = fn if any(compiled.is_array(x) for x in jax.tree.leaves(fn)) else _Closed(fn)
+    # A module goes in as an argument (NNX transforms inside it need it at this trace level;
+    # an NNX module that is no pytree too, or a variable it creates on first use would be set
+    # from inside them); a function without arrays (Linen's apply) as an empty pytree that
+    # holds it.
+    leaves = jax.tree.leaves(fn, is_leaf=nnxsplit.is_module)
+    held = fn if any(compiled.is_array(x) or nnxsplit.is_module(x) for x in leaves) else _Closed(fn)
     where = {"where": targets.selector(sites)} if sites else {}
     grad = value_and_grad(loss, **where, ops=ops or None, has_aux=True)
     (_, corrupt), input_grads, grads = grad(deltas, held, *args)

@@ -11,6 +11,8 @@ without them where the function needs them static). Other objects compare by val
 hashable, else by identity; a function whose values cannot be lifted compares like interceptors
 (:class:`~hookax._util.fnkey.FnKey`: code and closure), and one that closes over an NNX module
 then is never reused (the module can change in place behind the same closure).
+An NNX module passed itself, or among the arguments, is read afresh on every call, and
+enters the program as ``nnx.split`` state merged inside (:mod:`hookax._util.nnxsplit`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
-from .._util import lift
+from .._util import lift, nnxsplit
 from .._util.errors import HookaxError
 from .._util.fnkey import FnKey, note_fresh
 
@@ -143,7 +145,7 @@ def split(tree: Any, *, ints: bool = False) -> tuple[list[Any], Static]:
     elsewhere) and the hashable rest. ``ints``: a function's Python ints are lifted too (at
     the level :func:`retrying` allows)."""
     level = _LEVEL.get() if ints else min(_LEVEL.get(), lift.ARRAYS)
-    leaves, treedef = jax.tree.flatten(tree)
+    leaves, treedef = jax.tree.flatten(nnxsplit.lift(tree))  # NNX modules: split state
     dyn: list[Any] = []
     rest: list[Any] = []
     for x in leaves:
@@ -168,7 +170,7 @@ def join(dyn: list[Any], rest: Static) -> Any:
         d if s is None else lift.rebuild(s, d) if isinstance(s, lift.Lifted) else value_of(s)
         for d, s in zip(dyn, rest.leaves)
     ]
-    return jax.tree.unflatten(rest.treedef, leaves)
+    return nnxsplit.lower(jax.tree.unflatten(rest.treedef, leaves))
 
 
 def avals(dyn: list[Any]) -> Any:

@@ -32,7 +32,7 @@ from .._hooks.intercept import intercept
 from .._hooks.layergate import layer_pred
 from .._util.errors import HookaxError, SelectorError
 from .._util.jaxcompat import batching as _batching
-from .._util.parts import leaf_at, parts, replace_at, split_part
+from .._util.parts import leaf_at, parts, replace_at, sole_array, split_part, unwrap_sole
 from .._util.specs import describe_tree
 
 __all__ = ["PatchError", "patching", "position_mask"]
@@ -168,6 +168,9 @@ def _patch(
     state.calls[target] = n + 1
     state.applied.add(target)
     leaf = _part_of(out, part, key) if part else out
+    sole = sole_array(leaf)  # a NamedArray: its array patched, its names kept
+    if sole is not None:
+        leaf = sole[0]
     value = _value_for(key + part, k, leaf, entries[n % len(entries)], state, context)
     if shift:
         value = leaf + value
@@ -176,6 +179,8 @@ def _patch(
         pred = layer_pred(context._frame, layers, (args, kwargs))
         mask = pred if mask is None else mask & pred
     new = value if mask is None else jnp.where(mask, value, leaf)
+    if sole is not None:
+        new = sole[1].unflatten([new])
     return replace_at(out, part, new) if part else new
 
 
@@ -292,6 +297,7 @@ def _entries(key: Any, value: Any) -> tuple[Any, ...]:
             f"'encoder:encode'), got {key!r}."
         )
     entries = tuple(value) if isinstance(value, list | tuple) else (value,)
+    entries = tuple(unwrap_sole(e) for e in entries)  # NamedArrays as their arrays
     for entry in entries:
         if not hasattr(entry, "shape") or not hasattr(entry, "dtype"):
             raise PatchError(

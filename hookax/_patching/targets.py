@@ -28,7 +28,7 @@ from .._engine.select import (
 from .._hooks.intercept import Entry, intercept, scoped
 from .._util.errors import SelectorError
 from .._util.fnkey import FnKey
-from .._util.parts import leaf_at, parts, split_part
+from .._util.parts import leaf_at, parts, split_part, unwrap_sole
 from .._util.specs import Shown, describe, describe_flat
 from . import compiled
 from .patch import PatchError, position_mask, split_input
@@ -101,7 +101,8 @@ def discover(fn: Any, args: tuple[Any, ...]) -> dict[str, list[Any]]:
 
 
 def _spec(value: Any) -> Any:
-    if hasattr(value, "shape") and hasattr(value, "dtype"):
+    value = unwrap_sole(value)  # a NamedArray: its array
+    if _is_array(value):
         return jax.ShapeDtypeStruct(value.shape, value.dtype)
     return _Other(value)
 
@@ -150,9 +151,9 @@ def _hits(target: str, method: str, found: dict[str, list[Any]]) -> list[str]:
 def values_of(acts: dict[str, Any], key: str) -> Any:
     """A target's values in ``acts`` (keyed by call site): a part's arrays for ``"key.0"``."""
     if key in acts:
-        return acts[key]
+        return tuple(unwrap_sole(v) for v in acts[key])
     site, part = split_part(key)
-    return tuple(leaf_at(v, part) for v in acts[site])
+    return tuple(unwrap_sole(leaf_at(v, part)) for v in acts[site])
 
 
 def _layer_key(key: str, layer: int) -> str:

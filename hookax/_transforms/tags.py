@@ -31,6 +31,7 @@ import numpy as np
 
 from .._util.errors import HookaxError
 from .._util.jaxcompat import ad, batching, core, mlir, pe
+from .._util.parts import with_axes
 
 __all__ = [
     "ForwardingTrace",
@@ -60,11 +61,27 @@ class Spec:
         """How to leave it out, for messages."""
         return "leave it out of ops=" if self.op else "exclude it with where="
 
-    def rebuild(self, arrays: list[Any]) -> Any:
+    def rebuild(self, arrays: list[Any], axes: tuple[tuple[str, Any], ...] = ()) -> Any:
+        """The output from its arrays; ``axes`` (a :class:`Record`'s) put the axes that
+        transforms stacked the arrays on in front of a NamedArray's names."""
         it = iter(arrays)
         static = dict(self.static)
-        n = self.treedef.num_leaves
-        return self.treedef.unflatten([static[i] if i in static else next(it) for i in range(n)])
+        treedef = self.treedef
+        lead = leading(axes)
+        if lead:
+            treedef = with_axes(treedef, lead)
+        n = treedef.num_leaves
+        return treedef.unflatten([static[i] if i in static else next(it) for i in range(n)])
+
+
+def leading(axes: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, int], ...]:
+    """``(name, size)`` of the leading axes a value gained leaving the transforms ``axes``
+    (innermost first): a scan's is ``"layers"``; ``cond`` and an unbounded ``while`` add none."""
+    return tuple(
+        ("layers" if kind == "scan" else kind, n)
+        for kind, n in reversed(axes)
+        if not (kind == "cond" or (kind == "while" and n is None))
+    )
 
 
 class _Hashed:
@@ -211,7 +228,7 @@ class Record:
         return self.values[len(self.values) - self.n_counts :]
 
     def output(self) -> Any:
-        return unwrap(self.spec.rebuild(self.values[: len(self.values) - self.n_counts]))
+        return unwrap(self.spec.rebuild(self.values[: len(self.values) - self.n_counts], self.axes))
 
 
 def unwrap(tree: Any) -> Any:

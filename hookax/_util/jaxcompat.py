@@ -75,6 +75,7 @@ __all__ = [
     "scan_counts",
     "scan_params",
     "source_info_util",
+    "treedef_from",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3])
@@ -175,3 +176,9 @@ def ft_flatten(tree: Any) -> Any:
     from jax._src.tree_util import FlatTree
 
     return FlatTree.flatten(tree)
+
+
+def treedef_from(node_type: Any, aux: Any, children: list[Any]) -> Any:
+    """The treedef of one node (``node_data()``'s type and aux data) over child treedefs."""
+    registry = jax.tree_util.default_registry
+    return jax.tree_util.PyTreeDef.from_node_data_and_children(registry, (node_type, aux), children)

@@ -10,12 +10,25 @@ notation (``['a/b']``).
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from typing import Any
+from typing import Any, cast
 
 import jax
+import numpy as np
 
-__all__ = ["leaf_at", "part_name", "parts", "replace_at", "split_part"]
+from .jaxcompat import treedef_from
+
+__all__ = [
+    "leaf_at",
+    "part_name",
+    "parts",
+    "replace_at",
+    "sole_array",
+    "split_part",
+    "unwrap_sole",
+    "with_axes",
+]
 
 _STEP = re.compile(r"[A-Za-z_0-9]+")
 _PART = re.compile(r"^(.*?[^.])((?:\.[A-Za-z_0-9]+|\['[^']*'\])+)$", re.S)
@@ -80,3 +93,74 @@ def replace_at(tree: Any, part: str, value: Any) -> Any:
         raise KeyError(part)
     leaves = [value if n == part else leaf for n, (_, leaf) in zip(names, flat, strict=True)]
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def sole_array(tree: Any) -> tuple[Any, Any] | None:
+    """``(array, treedef)`` of a registered pytree holding exactly one array (a Haliax
+    ``NamedArray``: its array, and its axis names as static data), else None (arrays, tuples,
+    lists, dicts and trees of several leaves). Such a tree is that array wherever hookax takes
+    one (a patching target, a patch value); ``treedef.unflatten([new])`` rebuilds it.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> sole_array(jnp.ones(2)), sole_array((jnp.ones(2),))
+      (None, None)
+    """
+    if isinstance(tree, jax.Array | np.ndarray) or not hasattr(tree, "shape"):
+        return None
+    leaves, treedef = jax.tree.flatten(tree)
+    node = cast(Any, treedef).node_data()
+    if len(leaves) != 1 or node is None:
+        return None
+    if node[0] in (tuple, list, dict) or not hasattr(leaves[0], "dtype"):
+        return None
+    return leaves[0], treedef
+
+
+def unwrap_sole(tree: Any) -> Any:
+    """``tree``'s one array when :func:`sole_array` says it is one, else ``tree``."""
+    found = sole_array(tree)
+    return tree if found is None else found[0]
+
+
+def _names(aux: Any) -> bool:
+    """Whether ``aux`` lists axes: names, or Haliax-like ``Axis(name, size)`` dataclasses."""
+    return (
+        isinstance(aux, tuple)
+        and bool(aux)
+        and (
+            all(isinstance(a, str) for a in aux)
+            or all(dataclasses.is_dataclass(a) and hasattr(a, "size") for a in aux)
+        )
+    )
+
+
+def _axis(like: Any, name: str, size: int) -> Any:
+    return name if isinstance(like, str) else dataclasses.replace(like, name=name, size=size)
+
+
+def with_axes(treedef: Any, lead: tuple[tuple[str, int], ...] = (), drop: int | None = None) -> Any:
+    """``treedef`` with the axis names of its NamedArray-like nodes (one array, the names as
+    static data) given ``lead`` (``(name, size)``) axes in front, or without the axis ``drop``:
+    the names of a value that a scan stacked (the layer axis, ``"layers"``), or of one layer
+    taken from it. Other nodes are kept."""
+    nd = treedef.node_data()
+    if nd is None:
+        return treedef
+    kids = [with_axes(c, lead, drop) for c in treedef.children()]
+    node_type, aux = nd
+    one_array = len(kids) == 1 and kids[0].node_data() is None
+    if node_type in (tuple, list, dict) or not one_array or not _names(aux):
+        return treedef_from(node_type, aux, kids)
+    taken = {a if isinstance(a, str) else a.name for a in aux}
+    added = []
+    for name, size in lead:
+        unique = name
+        while unique in taken:
+            unique += "_"
+        taken.add(unique)
+        added.append(_axis(aux[0], unique, size))
+    aux = (*added, *aux)
+    if drop is not None:
+        aux = aux[:drop] + aux[drop + 1 :]
+    return treedef_from(node_type, aux, kids)

@@ -87,7 +87,18 @@ def _hookax_interceptor(next_fun: Callable[..., Any], args: tuple, kwargs: dict,
     name = lctx.method_name
     if not _active.value or not _is_call_site(lctx.module, name):
         return next_fun(*args, **kwargs)
+    if isinstance(lctx.module, _bridges()):  # the NNX module it runs is the call site
+        return _dispatch.bare(_Bound(next_fun), name, lctx.module, args, kwargs, ADAPTER)
     return _call(_Bound(next_fun), name, lctx.module, args, kwargs, ADAPTER)
+
+
+def _bridges() -> tuple[type, ...]:
+    """Flax's Linen wrappers of NNX modules (``nnx.bridge.ToLinen``), once NNX is imported."""
+    if "flax.nnx" not in sys.modules:
+        return ()
+    from flax.nnx.bridge import wrappers
+
+    return (wrappers.ToLinen,)
 
 
 class _Bound:

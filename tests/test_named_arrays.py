@@ -1,0 +1,186 @@
+"""Call sites that return a NamedArray-like pytree (one array and its axis names, as Haliax's
+``NamedArray``, whose ``.shape`` is a dict) are patching targets like the array they hold:
+values in, the names kept out; captured values keep their names. Every value is checked against
+the same layers computed by hand."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import hookax as hx
+
+D, T = 4, 5
+
+
+@jax.tree_util.register_pytree_with_keys_class
+@dataclasses.dataclass
+class Named:
+    """Like ``haliax.NamedArray``: ``.array``, ``.axes`` (names, its static data), ``.shape``
+    a dict name -> size, and a check that the names fit the array (Haliax's
+    ``__post_init__``)."""
+
+    array: jax.Array
+    axes: tuple[str, ...]
+
+    def __post_init__(self):
+        if isinstance(self.array, jax.Array) and jnp.ndim(self.array) != len(self.axes):
+            raise ValueError(f"axes {self.axes} do not fit an array of shape {self.array.shape}")
+
+    @property
+    def shape(self):
+        return dict(zip(self.axes, self.array.shape, strict=True))
+
+    @property
+    def dtype(self):
+        return self.array.dtype
+
+    def tree_flatten_with_keys(self):
+        return ((jax.tree_util.GetAttrKey("array"), self.array),), self.axes
+
+    @classmethod
+    def tree_unflatten(cls, axes, children):
+        return cls(children[0], axes)
+
+
+class Linear(eqx.Module):
+    w: jax.Array
+    b: jax.Array
+
+    def __call__(self, x: Named) -> Named:
+        return Named(x.array @ self.w + self.b, x.axes)
+
+
+class Net(eqx.Module):
+    a: Linear
+    b: Linear
+
+    def __init__(self):
+        k1, k2 = jax.random.split(jax.random.key(0))
+        self.a = Linear(jax.random.normal(k1, (D, D)) / 2, jnp.linspace(-0.5, 0.5, D))
+        self.b = Linear(jax.random.normal(k2, (D, D)) / 2, jnp.zeros(D))
+
+    def __call__(self, x: Named) -> Named:
+        return self.b(Named(jnp.tanh(self.a(x).array), x.axes))
+
+
+AXES = ("batch", "position", "embed")
+CLEAN = Named(jnp.linspace(-1.0, 1.0, T * D).reshape(1, T, D), AXES)
+CORRUPT = Named(CLEAN.array + 1.0, AXES)
+
+
+def metric(y):
+    return y.array[0, -1].sum()
+
+
+def _after_a(net, h):
+    return jnp.tanh(h) @ net.b.w + net.b.b
+
+
+def _a(net, x):
+    return x.array @ net.a.w + net.a.b
+
+
+def _run(jitted, fn, *args):
+    return eqx.filter_jit(fn)(*args) if jitted else fn(*args)
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "filter_jit"])
+def test_capture_keeps_the_names(jitted):
+    net = Net()
+    _, acts = _run(jitted, lambda m, x: hx.capture(m, where="a")(x), net, CLEAN)
+    assert isinstance(acts["a"][0], Named) and acts["a"][0].axes == AXES
+    np.testing.assert_allclose(acts["a"][0].array, _a(net, CLEAN), rtol=1e-6)
+
+
+def test_patch_grid_and_attribution():
+    net = Net()
+    ha, hc = _a(net, CORRUPT), _a(net, CLEAN)
+    want = [metric(Named(_after_a(net, ha.at[:, p].set(hc[:, p])), AXES)) for p in range(T)]
+    grid = hx.patch_grid(net, (CLEAN,), (CORRUPT,), metric, where="a")
+    np.testing.assert_allclose(grid[0], want, rtol=1e-6, atol=1e-6)
+    g = jax.grad(lambda h: metric(Named(_after_a(net, h), AXES)))(ha)
+    est = hx.attribution_patch(net, (CLEAN,), (CORRUPT,), metric, where="a")
+    np.testing.assert_allclose(est[0], ((hc - ha) * g).sum(axis=(0, 2)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "filter_jit"])
+def test_patching_a_named_output(jitted):
+    net = Net()
+    _, acts = hx.capture(net, where="a")(CLEAN)
+    ha, hc = _a(net, CORRUPT), _a(net, CLEAN)
+
+    def run(m, x, value):
+        with hx.patching({"a": value}, positions=2):
+            return m(x)
+
+    y = _run(jitted, run, net, CORRUPT, acts["a"][0])
+    assert isinstance(y, Named) and y.axes == AXES
+    np.testing.assert_allclose(y.array, _after_a(net, ha.at[:, 2].set(hc[:, 2])), rtol=1e-6)
+
+
+N = 3
+
+
+class Block(eqx.Module):
+    lin: Linear
+
+    def __call__(self, x: Named) -> Named:
+        return Named(x.array + jnp.tanh(self.lin(x).array), x.axes)
+
+
+class Stack(eqx.Module):
+    """Haliax's ``Stacked``: the layers' arrays stacked, folded by ``lax.scan`` with the stacked
+    module as xs."""
+
+    blocks: Block
+
+    def __init__(self):
+        keys = jax.random.split(jax.random.key(3), N)
+        self.blocks = eqx.filter_vmap(
+            lambda k: Block(Linear(jax.random.normal(k, (D, D)) / 2, jnp.full(D, 0.1)))
+        )(keys)
+
+    def __call__(self, x: Named) -> Named:
+        return jax.lax.scan(lambda h, blk: (blk(h), None), x, self.blocks)[0]
+
+
+def _stack_by_hand(stack, x):
+    """Each layer's ``lin`` output, and its gradient of ``sum(output of the stack)``."""
+    w, b = stack.blocks.lin.w, stack.blocks.lin.b
+
+    def run(deltas):
+        h, outs = x, []
+        for i in range(N):
+            o = h @ w[i] + b[i] + deltas[i]
+            outs.append(o)
+            h = h + jnp.tanh(o)
+        return h.sum(), outs
+
+    grads, outs = jax.grad(run, has_aux=True)(jnp.zeros((N, *x.shape)))
+    return jnp.stack(outs), grads
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "filter_jit"])
+def test_values_and_gradients_stacked_by_a_scan_carry_the_layer_axis(jitted):
+    stack = Stack()
+    x = Named(CLEAN.array[0], ("position", "embed"))
+    want, want_grads = _stack_by_hand(stack, x.array)
+
+    def run(m, x):
+        _, acts = hx.capture(m, where="blocks/lin")(x)
+        _, one = hx.capture(m, where="blocks/lin[1]")(x)
+        _, _, grads = hx.value_and_grad(lambda m, x: m(x).array.sum(), where="blocks/lin")(m, x)
+        return {**acts, **one}, grads
+
+    acts, grads = _run(jitted, run, stack, x)
+    for got, ref in ((acts["blocks/lin"][0], want), (grads["blocks/lin"][0], want_grads)):
+        assert got.axes == ("layers", "position", "embed")
+        assert got.shape == {"layers": N, "position": T, "embed": D}
+        np.testing.assert_allclose(got.array, ref, rtol=1e-5, atol=1e-6)
+    one = acts["blocks/lin[1]"][0]
+    assert one.axes == ("position", "embed")
+    np.testing.assert_allclose(one.array, want[1], rtol=1e-5, atol=1e-6)
