@@ -18,12 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from transformer_lens import HookedTransformer, HookedTransformerConfig, patching
+from transformer_lens.hook_points import HookPoint
 
 import hookax as hx
 
 from .nnx_gpt import GPT, from_transformer_lens
 
-CFG = dict(n_layers=3, d_model=64, n_heads=4, d_head=16, d_mlp=256, d_vocab=50, n_ctx=8)
+CFG: dict[str, Any] = dict(
+    n_layers=3, d_model=64, n_heads=4, d_head=16, d_mlp=256, d_vocab=50, n_ctx=8
+)
 BATCH = 2
 ANSWER, WRONG = 7, 2  # the metric: logit of ANSWER minus WRONG at the last position
 CACHE = ("resid_pre", "pattern", "z", "attn_out", "mlp_out")
@@ -85,9 +88,10 @@ def build(seed: int = 0) -> Setup:
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, p in tl.named_parameters():
-            if name.rsplit(".", 1)[-1] in ("w",):  # LayerNorm weights: around one
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "w":  # LayerNorm weights: around one
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
-            elif name.rsplit(".", 1)[-1] in ("b", "b_Q", "b_K", "b_V", "b_O", "b_in", "b_out", "b_U"):
+            elif leaf == "b" or leaf.startswith("b_"):  # LayerNorm and linear biases
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
     sd = {k: v.detach().numpy() for k, v in tl.state_dict().items()}
     model = from_transformer_lens(sd, CFG)
@@ -151,6 +155,7 @@ def residual(s: Setup) -> dict[str, Pair]:
     for got, want in [(mine, tl_labels), (mine_dec, dec_labels), (mine_acc, acc_labels)]:
         if list(got.labels) != list(want):
             raise AssertionError(f"labels differ: hookax {got.labels}, TransformerLens {want}")
+    frozen = rs.apply_ln_to_stack(mine_acc, weight=False)
     ja, jw = jnp.full((BATCH,), ANSWER), jnp.full((BATCH,), WRONG)
     # weight=False: TransformerLens' apply_ln_to_stack (the norm's weight folded elsewhere)
     mine_dla = rs.logit_attrs(rs.decompose_resid(pos=-1), ja, jw, pos=-1, weight=False)
@@ -159,7 +164,7 @@ def residual(s: Setup) -> dict[str, Pair]:
         "stack_head_results": (_np(heads), _np(mine.values)),
         "decompose_resid": (_np(dec), _np(mine_dec.values)),
         "accumulated_resid": (_np(acc), _np(mine_acc.values)),
-        "apply_ln_to_stack": (_np(acc_frozen), _np(rs.apply_ln_to_stack(mine_acc, weight=False).values)),
+        "apply_ln_to_stack": (_np(acc_frozen), _np(frozen.values)),
         "accumulated_resid(apply_ln=True)": (_np(acc_ln), _np(s.nnx.ln_f(mine_acc.values))),
         "logit_attrs (decomposed)": (_np(dla), _np(mine_dla)),
         "logit_attrs (heads)": (_np(dla_heads), _np(mine_dla_heads)),
@@ -198,11 +203,11 @@ def tl_attribution(s: Setup) -> tuple[Any, Any]:
     acts: dict[str, torch.Tensor] = {}
     grads: dict[str, torch.Tensor] = {}
 
-    def keep(t: torch.Tensor, hook: Any) -> None:
-        acts[hook.name] = t.detach()
+    def keep(tensor: torch.Tensor, *, hook: HookPoint) -> None:
+        acts[str(hook.name)] = tensor.detach()
 
-    def keep_grad(g: torch.Tensor, hook: Any) -> None:
-        grads[hook.name] = g.detach()
+    def keep_grad(tensor: torch.Tensor, *, hook: HookPoint) -> None:
+        grads[str(hook.name)] = tensor.detach()
 
     model.reset_hooks()
     model.add_hook(wanted, keep, "fwd")
@@ -238,7 +243,10 @@ def hx_attribution(s: Setup) -> tuple[Any, Any]:
 def attribution(s: Setup) -> dict[str, Pair]:
     """First-order patching with TransformerLens' hooks against ``hx.attribution_patch``."""
     (tb, tz), (hb, hz) = tl_attribution(s), hx_attribution(s)
-    return {"attribution (block)": (_np(tb), _np(hb)), "attribution (z, by head)": (_np(tz), _np(hz))}
+    return {
+        "attribution (block)": (_np(tb), _np(hb)),
+        "attribution (z, by head)": (_np(tz), _np(hz)),
+    }
 
 
 ALL: dict[str, Callable[[Setup], dict[str, Pair]]] = {

@@ -70,10 +70,10 @@ class GPT(nnx.Module):
 
 
 def _set(var: Any, value: np.ndarray) -> None:
-    value = jnp.asarray(value, jnp.float32)
-    if var.shape != value.shape:
-        raise ValueError(f"shape {value.shape} for a variable of shape {var.shape}")
-    var.set_value(value)
+    array = jnp.asarray(value, jnp.float32)
+    if var.shape != array.shape:
+        raise ValueError(f"shape {array.shape} for a variable of shape {var.shape}")
+    var.set_value(array)
 
 
 def from_transformer_lens(sd: Mapping[str, np.ndarray], cfg: Mapping[str, int]) -> GPT:
@@ -98,7 +98,8 @@ def from_transformer_lens(sd: Mapping[str, np.ndarray], cfg: Mapping[str, int]) 
             _set(ln.scale, sd[p + tl + ".w"])
             _set(ln.bias, sd[p + tl + ".b"])
         for lin, n in [(block.attn.query, "Q"), (block.attn.key, "K"), (block.attn.value, "V")]:
-            _set(lin.kernel, sd[p + f"attn.W_{n}"].transpose(1, 0, 2))  # [head, d, e] -> [d, head, e]
+            # TransformerLens' [head, d_model, d_head] -> Flax's [d_model, head, d_head]
+            _set(lin.kernel, sd[p + f"attn.W_{n}"].transpose(1, 0, 2))
             _set(lin.bias, sd[p + f"attn.b_{n}"])
         _set(block.attn.out.kernel, sd[p + "attn.W_O"])  # [head, e, d]
         _set(block.attn.out.bias, sd[p + "attn.b_O"])

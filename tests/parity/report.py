@@ -30,15 +30,15 @@ def _ready(x: Any) -> Any:
     return jax.block_until_ready(x)
 
 
-def _time(fn: Callable[[], Any], runs: int) -> tuple[float, float]:
+def _time(fn: Callable[[compare.Setup], Any], s: compare.Setup, runs: int) -> tuple[float, float]:
     """The first call's time and the warm minimum, in seconds."""
     t = time.perf_counter()
-    _ready(fn())
+    _ready(fn(s))
     first = time.perf_counter() - t
     best = float("inf")
     for _ in range(runs):
         t = time.perf_counter()
-        _ready(fn())
+        _ready(fn(s))
         best = min(best, time.perf_counter() - t)
     return first, best
 
@@ -63,8 +63,8 @@ def timings(s: compare.Setup, runs: int) -> list[str]:
         "| --- | --- | --- | --- | --- |",
     ]
     for label, tl, mine in pairs:
-        tl_first, tl_warm = _time(lambda: tl(s), runs)
-        hx_first, hx_warm = _time(lambda: mine(s), runs)
+        tl_first, tl_warm = _time(tl, s, runs)
+        hx_first, hx_warm = _time(mine, s, runs)
         rows.append(
             f"| {label} | {tl_warm * 1e3:.1f} ms | {hx_warm * 1e3:.1f} ms | "
             f"{tl_first * 1e3:.0f} ms | {hx_first * 1e3:.0f} ms |"

@@ -26,4 +26,3 @@ def test_agrees_with_transformer_lens(setup: compare.Setup, kind: str) -> None:
         assert np.ptp(tl) > 1e-2, f"{name}: TransformerLens' values are all equal; no test"
         diff = float(np.abs(tl - mine).max())
         assert diff <= TOL, f"{name}: max |TransformerLens - hookax| = {diff:.3g}"
-
