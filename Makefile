@@ -8,7 +8,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export NO_MKDOCS_2_WARNING := 1
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: demo dist test test-newest test-oldest test-slow test-wheel test-py312 test-py313 test-latest lint typecheck docs bench lock install-dev install compat
+.PHONY: demo dist test test-newest test-oldest test-slow test-wheel test-py312 test-py313 test-latest test-parity lint typecheck docs bench lock install-dev install compat
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3)"; exit 1; }
@@ -74,6 +74,12 @@ test-py313: $(VENV)/.installed-dev
 # Today's releases, unlocked, on Python 3.12: what a user installing now gets (CI runs it).
 test-latest: $(VENV)/.installed-dev
 	$(BIN)/nox -s latest
+
+# hookax against TransformerLens 3.9 on the same GPT weights, in a venv of its own with torch
+# (CPU) and transformer-lens (tests/parity/; a few minutes; CI runs it). `.nox/parity/bin/python
+# -m tests.parity.report` (or `nox -s parity -- report`) prints the agreement and the timings.
+test-parity: $(VENV)/.installed-dev
+	$(BIN)/nox -s parity
 
 # The site, strict (any warning fails) and not quiet, so a warning is seen where it fails;
 # tests/test_docs_site.py checks what the pages hold (code blocks, links, images).

@@ -8,6 +8,8 @@
     nox -s latest           # the suite on today's releases, unlocked (Python 3.12)
     nox -s wheel            # build the wheel, install it with each extra into a fresh venv, run it
     nox -s compat           # the frameworks' own suites with hookax imported (Python 3.11, 3.12)
+    nox -s parity           # hookax against TransformerLens 3.9 on the same weights (torch, CPU)
+    nox -s parity -- report # its agreement table and warm timings side by side, as Markdown
 
 Each Python has its lock (``make lock`` refreshes all three): ``requirements-dev.lock`` (3.11,
 the lowest supported Python, where the registry's newest JAX is 0.10), and
@@ -194,6 +196,37 @@ def compat(session: nox.Session) -> None:
     """The frameworks' own test suites with hookax imported (``compat/run.py``), on the
     frameworks of the session's lock."""
     session.run("python", "compat/run.py", "--lock", LOCKS[str(session.python)], *session.posargs)
+
+
+PARITY_PINS = "tests/parity/constraints.txt"
+
+
+def _pins(path: str) -> dict[str, str]:
+    """``{name: "name==version"}`` of a constraints file."""
+    with open(path) as f:
+        lines = [line.split("#")[0].strip() for line in f]
+    return {line.split("==")[0]: line for line in lines if line}
+
+
+# pip, not uv: torch's pinned release is a local CPU wheel that pip's configuration finds and uv
+# does not (uv would fetch a multi-GB CUDA build).
+@nox.session(python=PYTHON, venv_backend="venv")
+def parity(session: nox.Session) -> None:
+    """hookax against TransformerLens on the same random GPT weights (tests/parity/): the cache,
+    the residual-stream views, direct logit attribution, the block-every sweep and attribution
+    patching agree to 1e-5. Its own venv: torch first (a plain requirement would pull a CUDA
+    build), then TransformerLens with torch held to its pin, then hookax on the lock.
+    ``nox -s parity -- report`` prints the agreement table and the timings instead; other
+    arguments go to pytest. Slow (a few minutes; not ``make test``): ``make test-parity``."""
+    pins = _pins(PARITY_PINS)
+    session.install(pins["torch"])
+    session.install("-c", PARITY_PINS, pins["transformer-lens"])
+    session.install("-c", LOCKS[PYTHON], "-c", PARITY_PINS, "-e", ".[test]")
+    if session.posargs[:1] == ["report"]:
+        session.run("python", "-m", "tests.parity.report", *session.posargs[1:], env=ENV)
+        return
+    args = session.posargs or ["tests/parity"]
+    session.run("python", "-m", "pytest", "-q", *args, env=ENV)
 
 
 @nox.session(python=PYTHON, venv_backend="none")
