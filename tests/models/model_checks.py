@@ -331,12 +331,9 @@ def check_nonfinite(case: Case) -> None:
 
 
 def check_profile(case: Case) -> None:
-    w = _weights(case)
-
-    def step(*args: Any) -> Any:
-        return jax.grad(lambda *a: jnp.sum(case.fn(*a) * w))(*args)
-
-    prof = hx.profile(step, *case.clean, runs=2, warmup=1)
+    assert case.loss_args is not None
+    loss_fn, args = case.loss_args
+    prof = hx.profile(jax.grad(loss_fn), *args, runs=2, warmup=1)
     own = sum(r.forward_ms + r.backward_ms for r in prof.rows)
     total = own + prof.other_ms + prof.idle_ms
     assert abs(total - prof.step_ms) <= 1e-3 * max(1.0, prof.step_ms), (total, prof.step_ms)
@@ -363,3 +360,26 @@ def harvest_and_read(
     d = maxdiff(order(got), order(ref))
     assert d < 1e-4, d
     record(case.name, f"harvest {name!r} + StoreReader", f"{d:.1e}")
+
+
+def nnx_wrappers() -> tuple[type, type]:
+    """Two NNX modules that write an edit into a model's code: around a submodule, editing its
+    output (``EditOutput``) or its first argument (``EditInput``). Swapped into a copy of the
+    model (``nnx.merge`` of its split state) for a reference run."""
+    from flax import nnx
+
+    class EditOutput(nnx.Module):
+        def __init__(self, inner: Any, fn: Callable[[Any], Any]) -> None:
+            self.inner, self.fn = inner, fn
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            return self.fn(self.inner(*args, **kwargs))
+
+    class EditInput(nnx.Module):
+        def __init__(self, inner: Any, fn: Callable[[Any], Any]) -> None:
+            self.inner, self.fn = inner, fn
+
+        def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+            return self.inner(self.fn(x), *args, **kwargs)
+
+    return EditOutput, EditInput
