@@ -285,26 +285,28 @@ def check_stats_train_step(case: Case) -> None:
     update equal the plain step's; the statistics equal the reference's norms."""
     assert case.loss_args is not None
     loss_fn, args = case.loss_args
-    params = args[0]
+    # A model (NNX) is differentiated by its parameters, as nnx.value_and_grad does.
+    params_of = case.extra.get("params_of", lambda p: p)
+    value_and_grad = case.extra.get("value_and_grad", jax.value_and_grad)
     opt = optax.adam(1e-3)
-    state = opt.init(params)
+    state = opt.init(params_of(args[0]))
 
     @jax.jit
-    def step(params: Any, state: Any, *rest: Any) -> Any:
+    def step(model: Any, state: Any, *rest: Any) -> Any:
         loss, grads, stats = hx.value_grad_and_stats(
             loss_fn, where=case.extra.get("stats_where", case.layers), stats=("norm",)
-        )(params, *rest)
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss, stats
+        )(model, *rest)
+        updates, state = opt.update(grads, state, params_of(model))
+        return optax.apply_updates(params_of(model), updates), state, loss, stats
 
     @jax.jit
-    def plain(params: Any, state: Any, *rest: Any) -> Any:
-        loss, grads = jax.value_and_grad(loss_fn)(params, *rest)
-        updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), state, loss
+    def plain(model: Any, state: Any, *rest: Any) -> Any:
+        loss, grads = value_and_grad(loss_fn)(model, *rest)
+        updates, state = opt.update(grads, state, params_of(model))
+        return optax.apply_updates(params_of(model), updates), state, loss
 
-    new, _, loss, stats = step(params, state, *args[1:])
-    new_ref, _, loss_ref = plain(params, state, *args[1:])
+    new, _, loss, stats = step(args[0], state, *args[1:])
+    new_ref, _, loss_ref = plain(args[0], state, *args[1:])
     d = max(
         maxdiff(a, b) for a, b in zip(jax.tree.leaves(new), jax.tree.leaves(new_ref), strict=True)
     )
@@ -333,7 +335,8 @@ def check_nonfinite(case: Case) -> None:
 def check_profile(case: Case) -> None:
     assert case.loss_args is not None
     loss_fn, args = case.loss_args
-    prof = hx.profile(jax.grad(loss_fn), *args, runs=2, warmup=1)
+    grad = case.extra.get("grad", jax.grad)
+    prof = hx.profile(grad(loss_fn), *args, runs=2, warmup=1)
     own = sum(r.forward_ms + r.backward_ms for r in prof.rows)
     total = own + prof.other_ms + prof.idle_ms
     assert abs(total - prof.step_ms) <= 1e-3 * max(1.0, prof.step_ms), (total, prof.step_ms)
