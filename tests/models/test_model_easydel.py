@@ -215,7 +215,14 @@ def test_patch_grid_heads(case: mc.Case) -> None:
     mc.check_patch_grid_heads(case)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="hookax's NNX transforms around the module meet EasyDeL's lazily created RoPE cache "
+    "(ModuleCaches, made by the first call): 'Cannot extract graph node from different trace "
+    "level'; works on a function of split state",
+)
 def test_attribution_patch(case: mc.Case) -> None:
+    fn(*case.clean)  # the model's first call creates its RoPE cache (as any earlier use does)
     mc.check_attribution(case)
 
 
@@ -241,3 +248,19 @@ def test_harvest_one_layer_read_back(case: mc.Case) -> None:
         where="model/layers/1",
         name="model/layers/1.hidden_states",
     )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="hookax's NNX transforms around the module meet EasyDeL's lazily created RoPE cache "
+    "(ModuleCaches): 'Cannot extract graph node from different trace level'; the split-state "
+    "form (test_find_nonfinite_names_the_layer) works",
+)
+def test_find_nonfinite_with_the_module(case: mc.Case) -> None:
+    model, ids = case.clean
+    fn(model, ids)  # the model's first call creates its RoPE cache
+
+    def loss_fn(model: Any, ids: jax.Array) -> jax.Array:
+        return jnp.mean(fn(model, ids) ** 2)
+
+    assert mc.hx.find_nonfinite(loss_fn, model, ids) is None

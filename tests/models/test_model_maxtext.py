@@ -21,16 +21,16 @@ import pytest
 
 pytest.importorskip("maxtext.models.models")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import model_checks as mc  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-from maxtext.common.common_types import MODEL_MODE_TRAIN  # noqa: E402
-from maxtext.configs import pyconfig  # noqa: E402
-from maxtext.models import models  # noqa: E402
-from maxtext.utils import maxtext_utils  # noqa: E402
-from maxtext.utils.globals import MAXTEXT_PKG_DIR  # noqa: E402
+import jax
+import jax.numpy as jnp
+import model_checks as mc
+import numpy as np
+from flax import nnx
+from maxtext.common.common_types import MODEL_MODE_TRAIN
+from maxtext.configs import pyconfig
+from maxtext.models import models
+from maxtext.utils import maxtext_utils
+from maxtext.utils.globals import MAXTEXT_PKG_DIR
 
 V, D, LAYERS, HEADS, HEAD_DIM, B, SEQ = 128, 64, 3, 4, 16, 2, 8
 POS = jnp.broadcast_to(jnp.arange(SEQ), (B, SEQ))
