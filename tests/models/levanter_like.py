@@ -85,7 +85,7 @@ class Attention(eqx.Module):
         heads = jnp.einsum("bhqk,bkhd->bqhd", probs, v)
         if head_edit is not None:
             heads = head_edit(heads)
-        merged = Named(heads.reshape(b, t, HEADS * HEAD_DIM), axes[:2] + ("qkv",))
+        merged = Named(heads.reshape(b, t, HEADS * HEAD_DIM), (*axes[:2], "qkv"))
         return self.o_proj(merged, ("batch", "position", "embed"))
 
 
