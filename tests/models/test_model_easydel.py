@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 os.environ.setdefault("EASYDEL_AUTO", "0")  # else it appends GPU flags to XLA_FLAGS at import
+pytest.importorskip("torch", reason="EasyDeL's import of transformers' GLM-4V classes needs it")
 ed = pytest.importorskip("easydel")
 
 import jax  # noqa: E402
@@ -264,3 +265,21 @@ def test_find_nonfinite_with_the_module(case: mc.Case) -> None:
         return jnp.mean(fn(model, ids) ** 2)
 
     assert mc.hx.find_nonfinite(loss_fn, model, ids) is None
+
+
+def test_attribution_patch_on_split_state(case: mc.Case) -> None:
+    """The form that works today: the model's state split, merged inside the function."""
+    model, clean_ids = case.clean
+    graphdef, state = nnx.split(model)
+
+    def split_fn(state: Any, ids: jax.Array) -> jax.Array:
+        return fn(nnx.merge(graphdef, state), ids)
+
+    split_case = mc.dataclasses.replace(
+        case,
+        fn=split_fn,
+        clean=(state, clean_ids),
+        corrupt=(state, case.corrupt[1]),
+        ref=lambda args, edit: run((nnx.merge(graphdef, args[0]), args[1]), edit, None)[:2],
+    )
+    mc.check_attribution(split_case)
