@@ -16,8 +16,7 @@ import pytest
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 BLOCK = re.compile(r"<!-- models-example: (\w+) -->\n```text\n(.*?)^```", re.S | re.M)
-# EasyDeL's import of transformers' GLM-4V classes needs torch.
-NEEDS = {"gemma": ("gemma",), "easydel": ("easydel", "torch"), "maxtext": ("maxtext",)}
+NEEDS = {"gemma": ("gemma",), "easydel": ("easydel",), "maxtext": ("maxtext",)}
 
 
 def examples() -> list:
