@@ -8,7 +8,7 @@ export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export NO_MKDOCS_2_WARNING := 1
 export UV_PYTHON_DOWNLOADS := never
 
-.PHONY: demo dist test test-newest test-oldest test-slow test-wheel test-py312 test-py313 test-latest test-parity lint typecheck docs bench lock install-dev install compat
+.PHONY: demo dist test test-newest test-oldest test-slow test-wheel test-py312 test-py313 test-latest test-parity test-models lock-models lint typecheck docs bench lock install-dev install compat
 
 $(BIN)/python:
 	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3)"; exit 1; }
@@ -98,6 +98,20 @@ lock: $(VENV)/.installed-dev
 		--upgrade --custom-compile-command "make lock" -o requirements-dev-py312.lock
 	$(BIN)/python -m uv pip compile pyproject.toml --extra dev --python-version 3.13 -q \
 		--upgrade --custom-compile-command "make lock" -o requirements-dev-py313.lock
+
+# tests/models/: every feature on the codebases users run (gemma, EasyDeL, MaxText; a
+# Levanter-like model), each installed from the registry at its lock's versions, on Python 3.11
+# (EasyDeL) and 3.12 (gemma 4, MaxText). Heavy installs: not part of `make test`; CI runs it last.
+test-models: $(VENV)/.installed-dev
+	$(BIN)/nox -s models
+
+# Refresh the locks of tests/models/ from their .in files.
+lock-models: $(VENV)/.installed-dev
+	$(BIN)/python -m uv pip compile tests/models/py311.in -c requirements-dev.lock -q \
+		--python-version 3.11 --find-links /opt/wheels --custom-compile-command "make lock-models" \
+		-o tests/models/py311.lock
+	$(BIN)/python -m uv pip compile tests/models/py312.in -c requirements-dev-py312.lock -q \
+		--python-version 3.12 --custom-compile-command "make lock-models" -o tests/models/py312.lock
 
 # Flax's NNX and Linen tests and Equinox's tests, without hookax, with it imported and with a no-op
 # interceptor and hooks around every test; prints a table. Slow (own venv and sources in

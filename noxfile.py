@@ -10,6 +10,7 @@
     nox -s compat           # the frameworks' own suites with hookax imported (Python 3.11, 3.12)
     nox -s parity           # hookax against TransformerLens 3.9 on the same weights (torch, CPU)
     nox -s parity -- report # its agreement table and warm timings side by side, as Markdown
+    nox -s models           # tests/models/ on the codebases users run (gemma, EasyDeL, MaxText)
 
 Each Python has its lock (``make lock`` refreshes all three): ``requirements-dev.lock`` (3.11,
 the lowest supported Python, where the registry's newest JAX is 0.10), and
@@ -227,6 +228,36 @@ def parity(session: nox.Session) -> None:
         return
     args = session.posargs or ["tests/parity"]
     session.run("python", "-m", "pytest", "-q", *args, env=ENV)
+# The codebases of tests/models/, per Python: each its lock (``make lock-models`` refreshes them
+# from the ``.in`` files) and the packages installed without their dependencies. EasyDeL pins a
+# JAX below 0.12 (Python 3.11); MaxText and gemma 4 need Python >= 3.12.
+MODELS = {
+    "3.11": ("tests/models/py311.lock", "tests/models/py311-nodeps.txt"),  # EasyDeL
+    "3.12": ("tests/models/py312.lock", "tests/models/py312-nodeps.txt"),  # gemma 4, MaxText
+}
+# torch (CPU), which EasyDeL's import needs, is a local wheel on these machines.
+WHEELS = "/opt/wheels"
+
+
+@nox.session(python=["3.11", "3.12"])
+def models(session: nox.Session) -> None:
+    """Every feature on the third-party codebases users run (``tests/models/``), each installed
+    from the package registry at the versions of its lock. Not part of ``make test``: ``make
+    test-models``. A codebase that is not installed skips; the Levanter-like model needs none."""
+    lock, nodeps = MODELS[str(session.python)]
+    links = ["--find-links", WHEELS] if os.path.isdir(WHEELS) else []
+    _locked(session)
+    session.install(*links, "-r", lock)
+    session.install("--no-deps", "-r", nodeps)
+    env = {
+        **ENV,
+        # MaxText's mesh takes every device; one CPU device keeps the tiny batch unsharded.
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+        "EASYDEL_AUTO": "0",  # else EasyDeL appends GPU-only flags to XLA_FLAGS at import
+    }
+    # Third-party code warns about its own use of deprecated JAX and Flax APIs.
+    args = session.posargs or ["tests/models"]
+    session.run("python", "-m", "pytest", "-q", "-W", "ignore::DeprecationWarning", *args, env=env)
 
 
 @nox.session(python=PYTHON, venv_backend="none")

@@ -142,12 +142,19 @@ def _alike(clean_args: tuple[Any, ...], corrupt_args: tuple[Any, ...], who: str)
                 f"{who}: clean {tuple(a.shape)} and corrupt {tuple(b.shape)} differ (the shapes "
                 f"of clean_args{where} and corrupt_args{where}). {fix}"
             )
-        canonical = jax.dtypes.canonicalize_dtype  # NumPy's int64 tokens run as int32
-        if canonical(a.dtype) != canonical(b.dtype):
+        if _canonical(a.dtype) != _canonical(b.dtype):
             raise PatchError(
                 f"{who}: clean {a.dtype} and corrupt {b.dtype} differ (the dtypes of "
                 f"clean_args{where} and corrupt_args{where}). {fix}"
             )
+
+
+def _canonical(dtype: Any) -> Any:
+    """The dtype an argument runs as (NumPy's int64 tokens run as int32); a PRNG key's (an NNX
+    model's ``nnx.Rngs`` among the arguments) as it is."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return dtype
+    return jax.dtypes.canonicalize_dtype(dtype)
 
 
 class Plan:

@@ -1,0 +1,169 @@
+"""Every feature on a Llama written the way Levanter writes it (``levanter_like.py``: Equinox
+modules returning NamedArray-like pytrees, the layers scanned as ``lax.scan`` xs), against the
+same layers run one by one with each edit written into the code.
+
+The registry's Levanter and Haliax releases do not import on the supported JAX, so the
+structure is tested on this model (no third-party dependency: it runs with the slow tests and
+in ``nox -s models``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import levanter_like as ll
+import model_checks as mc
+import numpy as np
+import optax  # noqa: F401  (the train step's optimizer, in model_checks)
+import pytest
+
+import hookax as hx
+
+pytestmark = pytest.mark.slow
+NAME = "Levanter-like (Equinox, scanned, NamedArray)"
+B, SEQ = 2, 6
+STACK = "transformer/stacked"
+NAMED = (
+    "a NamedArray-like output (a registered pytree of one array) is refused as a patch target, "
+    "with the fix of naming the array inside it ('.array', which works); it is to be taken as "
+    "that array"
+)
+
+
+@pytest.fixture(scope="module")
+def case() -> mc.Case:
+    model = ll.make(jax.random.key(0))
+    clean_ids = jax.random.randint(jax.random.key(1), (B, SEQ), 0, ll.V)
+    corrupt_ids = clean_ids.at[:, 1:3].set(jax.random.randint(jax.random.key(2), (B, 2), 0, ll.V))
+
+    def loss_fn(model: Any, ids: jax.Array) -> jax.Array:
+        logits = ll.logits(model, ids)
+        return -jnp.mean(jax.nn.log_softmax(logits)[:, :-1, :] * jax.nn.one_hot(ids[:, 1:], ll.V))
+
+    def poison(args: tuple[Any, ...]) -> tuple[Any, ...]:
+        model, ids = args
+        w = model.transformer.stacked.mlp.down_proj.weight
+        return (
+            eqx.tree_at(
+                lambda m: m.transformer.stacked.mlp.down_proj.weight,
+                model,
+                w.at[2, 0, 0].set(jnp.inf),
+            ),
+            ids,
+        )
+
+    def steer(v: jax.Array) -> tuple[str, Any]:
+        return STACK + "[1]", lambda module, args, out: ll.Named(out.array + v, out.axes)
+
+    def stats_ref() -> np.ndarray:
+        return np.array([jnp.linalg.norm(h) for h in ll.unrolled(model, clean_ids)[1]])
+
+    return mc.Case(
+        name=NAME,
+        fn=ll.logits,
+        clean=(model, clean_ids),
+        corrupt=(model, corrupt_ids),
+        n_layers=ll.LAYERS,
+        layers=STACK,
+        layer_values=lambda acts: list(acts[STACK][0].array),
+        layer_part=STACK + "[0:3].array",
+        one_layer=STACK + "[1]",
+        ref=lambda args, edit: ll.unrolled(*args, edit=edit)[:2],
+        d_model=ll.D,
+        steer=steer,
+        n_params=sum(p.size for p in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))),
+        summary_args=(model, clean_ids),
+        probs_ops=STACK + "/self_attn:softmax",
+        probs_ref=lambda args: ll.unrolled(*args)[3],
+        probs_values=lambda vals: list(vals[STACK + "/self_attn:softmax"][0]),
+        heads_ops=STACK + "/self_attn[0:3]:transpose",
+        head_axis=2,
+        n_heads=ll.HEADS,
+        ref_heads=lambda args, edit: (lambda r: (r[0], r[2]))(ll.unrolled(*args, head_edit=edit)),
+        loss_args=(loss_fn, (model, clean_ids)),
+        poison=poison,
+        nonfinite_layer=lambda nf: nf.layer if isinstance(nf.layer, int) else None,
+        extra={
+            "stats_where": STACK,
+            "stats_norms": lambda s: np.asarray(s[STACK]["act"]["norm"]),
+            "stats_ref": stats_ref,
+            "params_of": lambda m: eqx.filter(m, eqx.is_inexact_array),
+            "value_and_grad": eqx.filter_value_and_grad,
+            "grad": eqx.filter_grad,
+            "batch_args": lambda b: b,
+        },
+    )
+
+
+def test_summary_parameter_count(case: mc.Case) -> None:
+    mc.check_summary(case)
+
+
+def test_capture_every_layer(case: mc.Case) -> None:
+    mc.check_capture(case)
+
+
+@pytest.mark.xfail(
+    strict=True, reason="a stacked NamedArray keeps axis names without the layer axis"
+)
+def test_captured_stack_names_its_layer_axis(case: mc.Case) -> None:
+    _, acts = hx.capture(case.fn, where=STACK)(*case.clean)
+    (value,) = acts[STACK]
+    assert len(value.axes) == value.array.ndim, (value.axes, value.array.shape)
+
+
+def test_attention_probabilities_by_ops(case: mc.Case) -> None:
+    mc.check_probs(case)
+
+
+def test_activation_gradients(case: mc.Case) -> None:
+    mc.check_grads(case)
+
+
+def test_steering_forward(case: mc.Case) -> None:
+    mc.check_steering(case)
+
+
+def test_patch_grid_layers_by_positions(case: mc.Case) -> None:
+    mc.check_patch_grid_layers(case)  # the array inside the output named: 'stacked[0:3].array'
+
+
+@pytest.mark.xfail(strict=True, reason=NAMED)
+def test_patch_grid_takes_the_named_output_itself(case: mc.Case) -> None:
+    dataclass_case = mc.dataclasses.replace(case, layer_part=STACK + "[0:3]")
+    mc.check_patch_grid_layers(dataclass_case)
+
+
+def test_patch_grid_heads(case: mc.Case) -> None:
+    mc.check_patch_grid_heads(case)
+
+
+def test_attribution_patch(case: mc.Case) -> None:
+    mc.check_attribution(case)
+
+
+@pytest.mark.xfail(strict=True, reason=NAMED)
+def test_attribution_takes_the_named_output_itself(case: mc.Case) -> None:
+    mc.check_attribution(mc.dataclasses.replace(case, layer_part=STACK + "[0:3]"))
+
+
+def test_stats_in_an_optax_train_step(case: mc.Case) -> None:
+    mc.check_stats_train_step(case)
+
+
+def test_find_nonfinite_names_the_layer(case: mc.Case) -> None:
+    mc.check_nonfinite(case)
+
+
+def test_profile_rows_add_up(case: mc.Case) -> None:
+    mc.check_profile(case)
+
+
+def test_harvest_one_layer_read_back(case: mc.Case) -> None:
+    model = case.clean[0]
+    batches = [(model, case.clean[1]), (model, case.corrupt[1])]
+    name = case.one_layer + ".array"
+    mc.harvest_and_read(case, ll.logits, batches, where=case.one_layer, name=name)
