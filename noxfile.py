@@ -228,6 +228,8 @@ def parity(session: nox.Session) -> None:
         return
     args = session.posargs or ["tests/parity"]
     session.run("python", "-m", "pytest", "-q", *args, env=ENV)
+
+
 # The codebases of tests/models/, per Python: each its lock (``make lock-models`` refreshes them
 # from the ``.in`` files) and the packages installed without their dependencies. EasyDeL pins a
 # JAX below 0.12 (Python 3.11); MaxText and gemma 4 need Python >= 3.12.
