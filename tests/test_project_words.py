@@ -1,8 +1,9 @@
 """The project's files speak of the project: not of how, when or by whom it was built.
 
-Words like "this session", "none was lent" or an issue number belong to the history of the
-work (CHANGELOG.md keeps it), not to the README, the docs, the docstrings or the tests that a
-reader of the project reads."""
+Words about the work that made them (who did it, in which sitting, which ticket) belong to the
+history (CHANGELOG.md keeps it), not to the README, the docs, the docstrings or the tests that a
+reader of the project reads. ``WORDS`` lists them; the examples below are assembled from parts
+so that this file does not contain them either."""
 
 from __future__ import annotations
 
@@ -55,11 +56,11 @@ def test_no_file_speaks_of_how_it_was_made():
 @pytest.mark.parametrize(
     "line",
     [
-        "Targets on this CPU (issue 30): grid",
-        "No GPU run yet (none was lent).",
-        "(other agents share the 2 cores)",
-        "The reader in earlier sessions: warm",
-        "Before the scan cut (this session)",
+        "Targets on this CPU (" + "issue" + " 30): grid",
+        "No GPU run yet (" + "none was" + " lent).",
+        "(other " + "agents share the 2 cores)",
+        "The reader in earlier " + "sessions: warm",
+        "Before the scan cut (this " + "session)",
     ],
 )
 def test_the_words_are_recognised(line):
