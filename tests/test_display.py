@@ -270,6 +270,26 @@ def test_grad_flow_shows_its_figure_in_a_notebook():
     assert "matplotlib.pyplot" not in sys.modules or not _in_pyplot(fig)
 
 
+def test_grad_flow_png_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    flow = _flow()
+    out = tmp_path / "g.png"
+    hx.plot_grad_flow(flow, out)
+    whole = out.read_bytes()
+    assert whole.startswith(b"\x89PNG") and whole.endswith(b"IEND\xaeB`\x82")
+
+    def interrupted(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        hx.plot_grad_flow(flow, out)
+    assert out.read_bytes() == whole  # the earlier image, untouched; no temporary left
+    assert [p.name for p in tmp_path.iterdir()] == ["g.png"]
+    buf = io.BytesIO()
+    hx.plot_grad_flow(flow, buf)  # a file object is written to directly
+    assert buf.getvalue() == whole
+
+
 def _in_pyplot(fig) -> bool:
     import matplotlib.pyplot as plt
 

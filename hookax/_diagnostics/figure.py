@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import base64
 import io
+import os
+from typing import Any
 
 from matplotlib.figure import Figure as _Figure
 
-__all__ = ["Figure", "png", "png_html"]
+__all__ = ["Figure", "png", "png_html", "save_png"]
 
 
 def png(fig: _Figure) -> bytes:
@@ -16,6 +18,25 @@ def png(fig: _Figure) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     return buf.getvalue()
+
+
+def save_png(fig: _Figure, out: Any) -> None:
+    """Write the figure as a PNG to ``out`` (a path or a binary file). A path is written whole or
+    not at all: the bytes go to a temporary file beside it, renamed over ``out`` at the end, so
+    an interrupt (Ctrl-C) never leaves a truncated image."""
+    if hasattr(out, "write"):
+        fig.savefig(out, format="png")
+        return
+    path = os.fspath(out)
+    data = png(fig)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
 
 
 def png_html(fig: _Figure) -> str:

@@ -477,7 +477,7 @@ def plot_grad_flow(flow: GradFlow, out: str | None = None, title: str = "gradien
     require("matplotlib", "plot", "hx.plot_grad_flow (it draws a chart)")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from .figure import Figure
+    from .figure import Figure, save_png
 
     panels: list[tuple[dict[str, list[float]], str]] = [
         ({"‖grad‖₂": list(flow.outputs.values())}, OUTPUT_LABEL)
@@ -499,7 +499,7 @@ def plot_grad_flow(flow: GradFlow, out: str | None = None, title: str = "gradien
     axes[-1].set_xlabel("layer (call order)")
     fig.tight_layout()
     if out is not None:
-        fig.savefig(out, format="png")
+        save_png(fig, out)
     return fig
 
 

@@ -89,6 +89,8 @@ def plot_stats(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
+    from .figure import save_png
+
     names = (stats,) if isinstance(stats, str) else tuple(stats)
     events = _logger.read_events(logdir)
     panels = [(name, series(events, name, where)) for name in names]
@@ -109,7 +111,7 @@ def plot_stats(
     axes[-1].set_xlabel("step")
     fig.tight_layout()
     if out is not None:
-        fig.savefig(os.fspath(out), format="png")
+        save_png(fig, out)
     return fig
 
 
