@@ -366,6 +366,44 @@ def harvest_and_read(
     record(case.name, f"harvest {name!r} + StoreReader", f"{d:.1e}")
 
 
+class Checks:
+    """The features every codebase is checked for, one test each; a module's ``TestX(Checks)``
+    class runs them on that module's ``case`` fixture (and overrides one to mark or extend it)."""
+
+    def test_summary_parameter_count(self, case: Case) -> None:
+        check_summary(case)
+
+    def test_capture_every_layer(self, case: Case) -> None:
+        check_capture(case)
+
+    def test_attention_probabilities_by_ops(self, case: Case) -> None:
+        check_probs(case)
+
+    def test_activation_gradients(self, case: Case) -> None:
+        check_grads(case)
+
+    def test_steering_forward(self, case: Case) -> None:
+        check_steering(case)
+
+    def test_patch_grid_layers_by_positions(self, case: Case) -> None:
+        check_patch_grid_layers(case)
+
+    def test_patch_grid_heads(self, case: Case) -> None:
+        check_patch_grid_heads(case)
+
+    def test_attribution_patch(self, case: Case) -> None:
+        check_attribution(case)
+
+    def test_stats_in_an_optax_train_step(self, case: Case) -> None:
+        check_stats_train_step(case)
+
+    def test_find_nonfinite_names_the_layer(self, case: Case) -> None:
+        check_nonfinite(case)
+
+    def test_profile_rows_add_up(self, case: Case) -> None:
+        check_profile(case)
+
+
 def nnx_wrappers() -> tuple[type, type]:
     """Two NNX modules that write an edit into a model's code: around a submodule, editing its
     output (``EditOutput``) or its first argument (``EditInput``). Swapped into a copy of the

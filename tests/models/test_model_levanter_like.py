@@ -98,12 +98,8 @@ def case() -> mc.Case:
     )
 
 
-def test_summary_parameter_count(case: mc.Case) -> None:
-    mc.check_summary(case)
-
-
-def test_capture_every_layer(case: mc.Case) -> None:
-    mc.check_capture(case)
+class TestLevanterLike(mc.Checks):
+    """The features every codebase is checked for (``model_checks.Checks``), on this case."""
 
 
 @pytest.mark.xfail(
@@ -115,51 +111,15 @@ def test_captured_stack_names_its_layer_axis(case: mc.Case) -> None:
     assert len(value.axes) == value.array.ndim, (value.axes, value.array.shape)
 
 
-def test_attention_probabilities_by_ops(case: mc.Case) -> None:
-    mc.check_probs(case)
-
-
-def test_activation_gradients(case: mc.Case) -> None:
-    mc.check_grads(case)
-
-
-def test_steering_forward(case: mc.Case) -> None:
-    mc.check_steering(case)
-
-
-def test_patch_grid_layers_by_positions(case: mc.Case) -> None:
-    mc.check_patch_grid_layers(case)  # the array inside the output named: 'stacked[0:3].array'
-
-
 @pytest.mark.xfail(strict=True, reason=NAMED)
 def test_patch_grid_takes_the_named_output_itself(case: mc.Case) -> None:
     dataclass_case = mc.dataclasses.replace(case, layer_part=STACK + "[0:3]")
     mc.check_patch_grid_layers(dataclass_case)
 
 
-def test_patch_grid_heads(case: mc.Case) -> None:
-    mc.check_patch_grid_heads(case)
-
-
-def test_attribution_patch(case: mc.Case) -> None:
-    mc.check_attribution(case)
-
-
 @pytest.mark.xfail(strict=True, reason=NAMED)
 def test_attribution_takes_the_named_output_itself(case: mc.Case) -> None:
     mc.check_attribution(mc.dataclasses.replace(case, layer_part=STACK + "[0:3]"))
-
-
-def test_stats_in_an_optax_train_step(case: mc.Case) -> None:
-    mc.check_stats_train_step(case)
-
-
-def test_find_nonfinite_names_the_layer(case: mc.Case) -> None:
-    mc.check_nonfinite(case)
-
-
-def test_profile_rows_add_up(case: mc.Case) -> None:
-    mc.check_profile(case)
 
 
 def test_harvest_one_layer_read_back(case: mc.Case) -> None:
