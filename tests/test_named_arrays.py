@@ -184,3 +184,56 @@ def test_values_and_gradients_stacked_by_a_scan_carry_the_layer_axis(jitted):
     one = acts["blocks/lin[1]"][0]
     assert one.axes == ("position", "embed")
     np.testing.assert_allclose(one.array, want[1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("jitted", [False, True], ids=["eager", "filter_jit"])
+def test_a_list_naming_the_stack_and_one_layer_returns_both(jitted):
+    """``where=["blocks/lin", "blocks/lin[1]"]``: the stacked value and layer 1 of it, each under
+    the key asked for (one pattern picking the whole call site does not hide the other)."""
+    stack = Stack()
+    x = Named(CLEAN.array[0], ("position", "embed"))
+    want, _ = _stack_by_hand(stack, x.array)
+    _, acts = _run(
+        jitted, lambda m, x: hx.capture(m, where=["blocks/lin", "blocks/lin[1]"])(x), stack, x
+    )
+    assert list(acts) == ["blocks/lin", "blocks/lin[1]"]
+    np.testing.assert_allclose(acts["blocks/lin"][0].array, want, rtol=1e-5, atol=1e-6)
+    one = acts["blocks/lin[1]"][0]
+    assert one.axes == ("position", "embed")
+    np.testing.assert_allclose(one.array, want[1], rtol=1e-5, atol=1e-6)
+
+
+class WithCache(eqx.Module):
+    """A block returning ``(NamedArray, cache)``, as decoder layers with a KV cache do."""
+
+    lin: Linear
+
+    def __call__(self, x: Named) -> tuple[Named, jax.Array]:
+        y = self.lin(x)
+        return Named(jnp.tanh(y.array), x.axes), y.array.sum(-1)
+
+
+class CacheNet(eqx.Module):
+    block: WithCache
+
+    def __call__(self, x: Named) -> Named:
+        return self.block(x)[0]
+
+
+def test_a_named_array_inside_a_tuple_is_named_by_its_position(tmp_path):
+    """In a tuple, the NamedArray is one part (``"block.0"``, not ``"block.0.array"``): the
+    name a harvest stores and a patching target takes, its axis names kept."""
+    net = CacheNet(WithCache(Net().a))
+    h = net.block.lin(CLEAN).array
+    store = hx.harvest(net, [(CLEAN,), (CORRUPT,)], where="block", store=tmp_path / "a")
+    assert set(store.names) == {"block.0", "block.1"}
+    rows = [jnp.tanh(net.block.lin(x).array) for x in (CLEAN, CORRUPT)]
+    np.testing.assert_allclose(store.read("block.0"), np.concatenate(rows), rtol=1e-6)
+
+    value = jnp.full((1, T, D), 0.5)
+    with hx.patching({"block.0": value}, positions=2):
+        y = net(CLEAN)
+    assert isinstance(y, Named) and y.axes == AXES
+    np.testing.assert_allclose(y.array, jnp.tanh(h).at[:, 2].set(0.5), rtol=1e-6)
+    with pytest.raises(hx.PatchError, match=r"'block\.0'"), hx.patching({"block.0.array": value}):
+        net(CLEAN)

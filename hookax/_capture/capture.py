@@ -62,31 +62,39 @@ class _Marker:
             live.seen.add((ctx.key, ctx.path_str))
         if not self.selector.matches(ctx):
             return next_fun(*args, **kwargs)
-        key = ctx.key
+        keys = [ctx.key]
         if self.selector.has_layers():
             layers = self.selector.layers(ctx)
+            if layers is None:  # the whole call site, and maybe layers of it named too
+                layers = self.selector.named_layers(ctx) or None
+            else:
+                keys = []
             if layers is not None:
                 _layergate.check_in_scan(ctx._frame, layers)
-                key = f"{ctx.key}[{','.join(map(str, sorted(layers)))}]"
+                keys.append(f"{ctx.key}[{','.join(map(str, sorted(layers)))}]")
                 if live is not None:
-                    live.layered[key] = (ctx.key, tuple(sorted(layers)), "")
+                    live.layered[keys[-1]] = (ctx.key, tuple(sorted(layers)), "")
         if live is not None:
             live.matched = True
             _check_collision(live, ctx)
-        if self.inputs:
-            in_key = f"{key}:in"
+        for key in keys:
+            if self.inputs:
+                in_key = f"{key}:in"
+                if live is not None:
+                    live.starts.setdefault(in_key)
+                    if key in live.layered:
+                        site, layers, _ = live.layered[key]
+                        live.layered[in_key] = (site, layers, ":in")
+                if len(args) == 1:
+                    args = (_tags.mark(args[0], self.sid, in_key),)
+                else:
+                    args = _tags.mark(tuple(args), self.sid, in_key)
             if live is not None:
-                live.starts.setdefault(in_key)
-                if key in live.layered:
-                    site, layers, _ = live.layered[key]
-                    live.layered[in_key] = (site, layers, ":in")
-            if len(args) == 1:
-                args = (_tags.mark(args[0], self.sid, in_key),)
-            else:
-                args = _tags.mark(tuple(args), self.sid, in_key)
-        if live is not None:
-            live.starts.setdefault(key)
-        return self.tag(next_fun(*args, **kwargs), key)
+                live.starts.setdefault(key)
+        out = next_fun(*args, **kwargs)
+        for key in keys:
+            out = self.tag(out, key)
+        return out
 
     def tag(self, out: Any, key: str) -> Any:
         """Mark what this capture session carries for a selected call site (``key``: its key,

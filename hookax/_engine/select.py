@@ -47,6 +47,12 @@ class Selector:
         """For a call site this selector matches: the scan iterations it picks (None: all)."""
         return None
 
+    def named_layers(self, ctx: Context) -> frozenset[int]:
+        """The scan iterations that the layer suffixes matching this call site name, also where
+        another pattern picks the whole call site (``["blocks", "blocks[1]"]``): a capture
+        returns both keys."""
+        return frozenset()
+
     def __and__(self, other: Any) -> Selector:
         return _And(self, _coerce(other))
 
@@ -255,6 +261,16 @@ class Select(Selector):
                 picked |= layers
         return picked if self._parsed else None
 
+    def named_layers(self, ctx: Context) -> frozenset[int]:
+        if not self.has_layers() or not self.matches(ctx):
+            return frozenset()
+        s = ctx.path_str
+        picked: frozenset[int] = frozenset()
+        for glob, layers in self._parsed:
+            if layers is not None and glob_to_regex(glob).fullmatch(s):
+                picked |= layers
+        return picked
+
 
 def method_matches(methods: tuple[str, ...] | str, method: str) -> bool:
     if methods == ALL_METHODS:
@@ -297,6 +313,11 @@ class _And(Selector):
         a, b = self.a.layers(ctx), self.b.layers(ctx)
         return b if a is None else a if b is None else a & b
 
+    def named_layers(self, ctx: Context) -> frozenset[int]:
+        if not self.matches(ctx):
+            return frozenset()
+        return self.a.named_layers(ctx) | self.b.named_layers(ctx)
+
     def __repr__(self) -> str:
         return f"({self.a!r} & {self.b!r})"
 
@@ -327,6 +348,9 @@ class _Or(Selector):
                     return None
                 picked |= got
         return picked
+
+    def named_layers(self, ctx: Context) -> frozenset[int]:
+        return self.a.named_layers(ctx) | self.b.named_layers(ctx)
 
     def __repr__(self) -> str:
         return f"({self.a!r} | {self.b!r})"
@@ -379,6 +403,11 @@ class _WithMethods(Selector):
 
     def layers(self, ctx: Context) -> frozenset[int] | None:
         return None if self.inner is None else self.inner.layers(ctx)
+
+    def named_layers(self, ctx: Context) -> frozenset[int]:
+        if self.inner is None or not method_matches(self.methods, ctx.method):
+            return frozenset()
+        return self.inner.named_layers(ctx)
 
     def __repr__(self) -> str:
         return f"{self.inner!r} (methods {self.methods!r})"

@@ -56,9 +56,22 @@ def part_name(keypath: tuple[Any, ...]) -> str:
     return "".join(_step(k) for k in keypath)
 
 
+def _flat(tree: Any) -> tuple[list[tuple[Any, Any]], Any]:
+    """``tree``'s leaves with their paths, a NamedArray-like subtree (:func:`sole_array`) being
+    one leaf."""
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: sole_array(x) is not None)
+
+
 def parts(tree: Any) -> list[tuple[str, Any]]:
-    """``(part, leaf)`` for every leaf of ``tree`` (``""`` for a tree that is one leaf)."""
-    return [(part_name(kp), leaf) for kp, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    """``(part, leaf)`` for every leaf of ``tree`` (``""`` for a tree that is one leaf); a
+    NamedArray-like subtree is one leaf, its array (its names are kept by :func:`replace_at`).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> [p for p, _ in parts((jnp.ones(2), {"k": jnp.ones(3)}))]
+      ['.0', '.1.k']
+    """
+    return [(part_name(kp), unwrap_sole(leaf)) for kp, leaf in _flat(tree)[0]]
 
 
 def split_part(text: str) -> tuple[str, str]:
@@ -86,13 +99,24 @@ def leaf_at(tree: Any, part: str) -> Any:
 
 
 def replace_at(tree: Any, part: str, value: Any) -> Any:
-    """``tree`` with its leaf named ``part`` replaced by ``value``."""
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    """``tree`` with its leaf named ``part`` replaced by ``value`` (an array replacing a
+    NamedArray-like leaf keeps its names)."""
+    flat, treedef = _flat(tree)
     names = [part_name(kp) for kp, _ in flat]
     if part not in names:
         raise KeyError(part)
-    leaves = [value if n == part else leaf for n, (_, leaf) in zip(names, flat, strict=True)]
+    leaves = [
+        _rewrap(leaf, value) if n == part else leaf
+        for n, (_, leaf) in zip(names, flat, strict=True)
+    ]
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _rewrap(old: Any, value: Any) -> Any:
+    found = sole_array(old)
+    if found is None or not hasattr(value, "dtype") or sole_array(value) is not None:
+        return value
+    return found[1].unflatten([value])
 
 
 def sole_array(tree: Any) -> tuple[Any, Any] | None:

@@ -3,13 +3,15 @@
 The package registry's Levanter (1.1, 2023) and Haliax (1.3, 2024) do not import on the JAX
 hookax supports (``jax._src.tree_util.BuiltInKeyEntry`` is gone), so this model keeps what
 matters to hookax in their structure: Equinox modules; every module takes and returns a
-NamedArray-like pytree (one array and its axis names, static); the decoder layers stacked in
-one module whose forward is ``lax.scan`` with the stacked module passed as ``xs`` (Haliax's
-``Stacked.fold``). The reference forward (``unrolled``) runs the same layers one by one.
+NamedArray-like pytree (one array and its axes as static data, registered as Haliax registers
+its NamedArray); the decoder layers stacked in one module whose forward is ``lax.scan`` with the
+stacked module passed as ``xs`` (Haliax's ``Stacked.fold``). The reference forward
+(``unrolled``) runs the same layers one by one.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -20,11 +22,51 @@ import jax.numpy as jnp
 V, D, HEADS, HEAD_DIM, MLP, LAYERS = 64, 32, 4, 8, 64, 3
 
 
-class Named(eqx.Module):
-    """One array with its axis names (Haliax's NamedArray keeps the names as static data)."""
+@dataclasses.dataclass(frozen=True)
+class Axis:
+    """A named axis and its size (Haliax's ``Axis``)."""
+
+    name: str
+    size: int
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class Named:
+    """One array with its axes, as Haliax's ``NamedArray`` is: a registered pytree whose one
+    child is the array and whose static data is the ``Axis`` tuple; ``.shape`` is a dict of
+    sizes by name. Axes may be given by name (their sizes are then the array's)."""
 
     array: jax.Array
-    axes: tuple[str, ...] = eqx.field(static=True)
+    axes: tuple[Axis, ...]
+
+    def __post_init__(self) -> None:
+        if any(isinstance(a, str) for a in self.axes):
+            sizes = self.array.shape
+            axes = tuple(Axis(a, n) if isinstance(a, str) else a for a, n in zip(self.axes, sizes))
+            object.__setattr__(self, "axes", axes)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {a.name: a.size for a in self.axes}
+
+    @property
+    def dtype(self) -> Any:
+        return self.array.dtype
+
+    @property
+    def ndim(self) -> int:
+        return self.array.ndim
+
+    def tree_flatten(self) -> tuple[tuple[jax.Array], tuple[Axis, ...]]:
+        return (self.array,), self.axes
+
+    @classmethod
+    def tree_unflatten(cls, axes: tuple[Axis, ...], children: Any) -> Named:
+        new = object.__new__(cls)  # no checks: a transform's leaves may be anything
+        object.__setattr__(new, "array", children[0])
+        object.__setattr__(new, "axes", axes)
+        return new
 
 
 def _dense(key: jax.Array, n_in: int, n_out: int) -> jax.Array:

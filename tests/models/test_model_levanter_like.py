@@ -26,11 +26,6 @@ pytestmark = pytest.mark.slow
 NAME = "Levanter-like (Equinox, scanned, NamedArray)"
 B, SEQ = 2, 6
 STACK = "transformer/stacked"
-NAMED = (
-    "a NamedArray-like output (a registered pytree of one array) is refused as a patch target, "
-    "with the fix of naming the array inside it ('.array', which works); it is to be taken as "
-    "that array"
-)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +64,7 @@ def case() -> mc.Case:
         n_layers=ll.LAYERS,
         layers=STACK,
         layer_values=lambda acts: list(acts[STACK][0].array),
-        layer_part=STACK + "[0:3].array",
+        layer_part=STACK + "[0:3]",  # the NamedArray itself: its array patched
         one_layer=STACK + "[1]",
         ref=lambda args, edit: ll.unrolled(*args, edit=edit)[:2],
         d_model=ll.D,
@@ -102,28 +97,20 @@ class TestLevanterLike(mc.Checks):
     """The features every codebase is checked for (``model_checks.Checks``), on this case."""
 
 
-@pytest.mark.xfail(
-    strict=True, reason="a stacked NamedArray keeps axis names without the layer axis"
-)
 def test_captured_stack_names_its_layer_axis(case: mc.Case) -> None:
-    _, acts = hx.capture(case.fn, where=STACK)(*case.clean)
-    (value,) = acts[STACK]
-    assert len(value.axes) == value.array.ndim, (value.axes, value.array.shape)
-
-
-@pytest.mark.xfail(strict=True, reason=NAMED)
-def test_patch_grid_takes_the_named_output_itself(case: mc.Case) -> None:
-    dataclass_case = mc.dataclasses.replace(case, layer_part=STACK + "[0:3]")
-    mc.check_patch_grid_layers(dataclass_case)
-
-
-@pytest.mark.xfail(strict=True, reason=NAMED)
-def test_attribution_takes_the_named_output_itself(case: mc.Case) -> None:
-    mc.check_attribution(mc.dataclasses.replace(case, layer_part=STACK + "[0:3]"))
+    """A NamedArray stacked by the scan over layers gains the layer axis in front; one layer
+    taken from it has the layer's own axes."""
+    _, acts = hx.capture(case.fn, where=[STACK, STACK + "[1]"])(*case.clean)
+    (stack,) = acts[STACK]
+    assert stack.shape == {"layers": ll.LAYERS, "batch": B, "position": SEQ, "embed": ll.D}
+    (one,) = acts[STACK + "[1]"]
+    assert one.shape == {"batch": B, "position": SEQ, "embed": ll.D}
+    np.testing.assert_array_equal(one.array, stack.array[1])
+    want = ll.unrolled(*case.clean)[1][1]
+    np.testing.assert_allclose(one.array, want, rtol=1e-5, atol=1e-5)
 
 
 def test_harvest_one_layer_read_back(case: mc.Case) -> None:
     model = case.clean[0]
     batches = [(model, case.clean[1]), (model, case.corrupt[1])]
-    name = case.one_layer + ".array"
-    mc.harvest_and_read(case, ll.logits, batches, where=case.one_layer, name=name)
+    mc.harvest_and_read(case, ll.logits, batches, where=case.one_layer, name=case.one_layer)
