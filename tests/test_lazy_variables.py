@@ -4,6 +4,8 @@ grids, attribution, ``find_nonfinite``, harvest and splice take the model as ``n
 through ``jax.jit``, merged inside, as a user's ``jax.jit`` over split state does. Every value is
 checked against the layers computed by hand."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +23,7 @@ def _table(n: int) -> jax.Array:
     return jnp.cos(jnp.arange(n * D, dtype=jnp.float32).reshape(n, D) * 0.3)
 
 
-def _make(pytree: bool, variable: bool = True):
+def _make(pytree: bool, variable: bool = True, cached_property: bool = False):
     class Rope(nnx.Module, pytree=pytree):
         """Its table is created on the first call, sized by the input: a variable, or a plain
         attribute."""
@@ -33,10 +35,21 @@ def _make(pytree: bool, variable: bool = True):
             t = self.table
             return x * (t[...] if isinstance(t, nnx.Variable) else t)
 
+    class CachedRope(nnx.Module):
+        """EasyDeL's form: a ``functools.cached_property`` returning a variable, which it
+        stores past NNX's ``__setattr__`` (so a pytree module carries it as static data)."""
+
+        @functools.cached_property
+        def table(self) -> nnx.Cache:
+            return nnx.Cache(_table(T))
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            return x * self.table[...]
+
     class Net(nnx.Module, pytree=pytree):
         def __init__(self, rngs: nnx.Rngs) -> None:
             self.a = nnx.Linear(D, D, rngs=rngs)
-            self.rope = Rope()
+            self.rope = CachedRope() if cached_property else Rope()
             self.b = nnx.Linear(D, D, rngs=rngs)
 
         def __call__(self, x: jax.Array) -> jax.Array:
@@ -63,8 +76,12 @@ def metric(y):
     return y[0, -1, 0] - y[0, -1, 1]
 
 
-@pytest.fixture(params=["pytree", "graph", "graph-attribute"])
+@pytest.fixture(params=["pytree", "graph", "graph-attribute", "cached-property"])
 def model(request):
+    if request.param == "cached-property":
+        model = _make(True, cached_property=True)
+        model(CLEAN)  # its first use, outside any trace, sets the table
+        return model
     return _make(request.param == "pytree", variable=request.param != "graph-attribute")
 
 
@@ -98,7 +115,8 @@ def test_patch_grid_and_attribution(model):
         np.testing.assert_allclose(grid[0], want, rtol=1e-6, atol=1e-6)
         est = hx.attribution_patch(fn, args(CLEAN), args(CORRUPT), metric, where="a")
         np.testing.assert_allclose(est[0], want_attr, rtol=1e-6, atol=1e-6)
-    assert not hasattr(model.rope, "table")  # created inside the programs, left there
+    if not isinstance(type(model.rope).__dict__.get("table"), functools.cached_property):
+        assert not hasattr(model.rope, "table")  # created inside the programs, left there
 
 
 def test_find_nonfinite(model):

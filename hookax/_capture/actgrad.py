@@ -284,12 +284,84 @@ def _differentiate(
     if mode == "equinox":
         return _eqx_value_and_grad(inner, nums_pos, has_aux, args, perturbs)
     if mode:
-        from flax import nnx
-
-        vg = nnx.value_and_grad(inner, argnums=(*nums_pos, len(args)), has_aux=has_aux)
-    else:
-        vg = jax.value_and_grad(inner, argnums=(*nums_pos, len(args)), has_aux=has_aux)
+        return _nnx_value_and_grad(inner, nums_pos, has_aux, args, perturbs)
+    vg = jax.value_and_grad(inner, argnums=(*nums_pos, len(args)), has_aux=has_aux)
     return vg(*args, perturbs)
+
+
+def _nnx_value_and_grad(
+    inner: Callable[..., Any], nums: tuple[int, ...], has_aux: bool, args: tuple, perturbs: Any
+) -> tuple[Any, tuple[Any, ...]]:
+    """``nnx.value_and_grad`` over the ``nums`` arguments and the perturbations, written as
+    the functional NNX API writes it: the modules of ``args`` split (one ``nnx.split``, so
+    shared modules stay shared), ``jax.value_and_grad`` over the ``nnx.Param`` state of those
+    in ``nums``, merged inside, and what the call set on them (batch statistics, RNG counts, a
+    lazily created variable) written back. Unlike ``nnx.value_and_grad`` it does not refuse a
+    variable from an outer trace that a module holds as static data (a ``cached_property``
+    RoPE table, set on first use) and whose value it only reads. The gradient of a module is
+    the ``nnx.State`` of its parameters, as ``nnx.grad`` gives it."""
+    from flax import nnx
+
+    flat = [jax.tree.flatten(a, is_leaf=is_nnx_module) for a in args]
+    mods: list[Any] = []
+    index: dict[int, int] = {}  # argument position -> index in mods, for a module argument
+    for i, (leaves, _) in enumerate(flat):
+        found = [x for x in leaves if is_nnx_module(x)]
+        if i in nums and found and not is_nnx_module(args[i]):
+            # A differentiated pytree holding modules: NNX's own transform lays out its grads.
+            vg = nnx.value_and_grad(inner, argnums=(*nums, len(args)), has_aux=has_aux)
+            return vg(*args, perturbs)
+        if is_nnx_module(args[i]):
+            index[i] = len(mods)
+        mods.extend(found)
+    if not mods:
+        vg = jax.value_and_grad(inner, argnums=(*nums, len(args)), has_aux=has_aux)
+        return vg(*args, perturbs)
+    diff_mods = {index[i] for i in nums if i in index}
+
+    def diff(path: tuple[Any, ...], x: Any) -> bool:
+        return isinstance(x, nnx.Param) and bool(path) and path[0] in diff_mods
+
+    graphdef, params, rest = nnx.split(tuple(mods), diff, ...)
+    arrays = [i for i in nums if i not in index]
+
+    def f(params: Any, arrs: tuple, p: Any, rest: Any) -> Any:
+        # Variables made anew in this trace (jax.grad hands the undifferentiated argument over
+        # as it is): the call may set them (batch statistics).
+        rest = jax.tree.map(lambda x: x, rest)
+        ms = iter(nnx.merge(graphdef, params, rest))
+        full = []
+        for i, (leaves, treedef) in enumerate(flat):
+            if i in arrays:
+                full.append(arrs[arrays.index(i)])
+            else:
+                full.append(
+                    treedef.unflatten([next(ms) if is_nnx_module(x) else x for x in leaves])
+                )
+        out = inner(*full, p)
+        merged = [
+            x for a in full for x in jax.tree.leaves(a, is_leaf=is_nnx_module) if is_nnx_module(x)
+        ]
+        new_rest = nnx.split(tuple(merged), diff, ...)[2]
+        value, aux = out if has_aux else (out, None)
+        return value, (aux, new_rest)
+
+    vg = jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)
+    (value, (aux, new_rest)), (g_params, g_arrs, g_p) = vg(
+        params, tuple(args[i] for i in arrays), perturbs, rest
+    )
+    nnx.update(tuple(mods), new_rest)
+    grads = [
+        g_arrs[arrays.index(i)] if i in arrays else _sub_state(nnx, g_params, index[i])
+        for i in nums
+    ]
+    return ((value, aux) if has_aux else value), (*grads, g_p)
+
+
+def _sub_state(nnx: Any, state: Any, k: int) -> Any:
+    """The part of a split of several modules that belongs to the ``k``-th (empty when it has
+    no parameters)."""
+    return state[k] if k in state else nnx.State({})
 
 
 def _act_grads(records: list[Any], order: list[str], g: Any) -> dict[str, tuple[Any, ...]]:

@@ -194,14 +194,10 @@ def case(model: Any) -> mc.Case:
 class TestEasyDeL(mc.Checks):
     """The features every codebase is checked for (``model_checks.Checks``), on this case."""
 
-    @pytest.mark.xfail(
-        strict=True,
-        reason="hookax's NNX transforms around the module meet EasyDeL's lazily created RoPE "
-        "cache (ModuleCaches, made by the first call): 'Cannot extract graph node from "
-        "different trace level'; works on a function of split state",
-    )
     def test_attribution_patch(self, case: mc.Case) -> None:
-        fn(*case.clean)  # the model's first call creates its RoPE cache (as any earlier use does)
+        """With the model itself, after its first call has set its RoPE table (a
+        ``cached_property`` that NNX carries as static data)."""
+        fn(*case.clean)
         mc.check_attribution(case)
 
 
@@ -217,12 +213,6 @@ def test_harvest_one_layer_read_back(case: mc.Case) -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="hookax's NNX transforms around the module meet EasyDeL's lazily created RoPE cache "
-    "(ModuleCaches): 'Cannot extract graph node from different trace level'; the split-state "
-    "form (test_find_nonfinite_names_the_layer) works",
-)
 def test_find_nonfinite_with_the_module(case: mc.Case) -> None:
     model, ids = case.clean
     fn(model, ids)  # the model's first call creates its RoPE cache
@@ -234,7 +224,7 @@ def test_find_nonfinite_with_the_module(case: mc.Case) -> None:
 
 
 def test_attribution_patch_on_split_state(case: mc.Case) -> None:
-    """The form that works today: the model's state split, merged inside the function."""
+    """The functional form: the model's state split, merged inside the function."""
     model, clean_ids = case.clean
     graphdef, state = nnx.split(model)
 
