@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -322,7 +322,7 @@ def _nnx_value_and_grad(
     def diff(path: tuple[Any, ...], x: Any) -> bool:
         return isinstance(x, nnx.Param) and bool(path) and path[0] in diff_mods
 
-    graphdef, params, rest = nnx.split(tuple(mods), diff, ...)
+    graphdef, params, rest = cast(Any, nnx.split(tuple(mods), diff, ...))
     arrays = [i for i in nums if i not in index]
 
     def f(params: Any, arrs: tuple, p: Any, rest: Any) -> Any:
@@ -336,13 +336,15 @@ def _nnx_value_and_grad(
                 full.append(arrs[arrays.index(i)])
             else:
                 full.append(
-                    treedef.unflatten([next(ms) if is_nnx_module(x) else x for x in leaves])
+                    jax.tree.unflatten(
+                        treedef, [next(ms) if is_nnx_module(x) else x for x in leaves]
+                    )
                 )
         out = inner(*full, p)
         merged = [
             x for a in full for x in jax.tree.leaves(a, is_leaf=is_nnx_module) if is_nnx_module(x)
         ]
-        new_rest = nnx.split(tuple(merged), diff, ...)[2]
+        new_rest = cast(Any, nnx.split(tuple(merged), diff, ...))[2]
         value, aux = out if has_aux else (out, None)
         return value, (aux, new_rest)
 
