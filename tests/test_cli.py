@@ -46,7 +46,27 @@ def factories(tmp_path, monkeypatch):
                 def __call__(self, x):
                     return self.act(x, deterministic=True) * 2.0
 
+            class Sharded(nnx.Module):
+                # It carries its mesh and shards its activations by the mesh in context, as
+                # EasyDeL's and MaxText's models do.
+
+                def __init__(self, rngs):
+                    import jax
+                    import numpy as np
+
+                    self.mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+                    self.lin = nnx.Linear(64, 32, rngs=rngs)
+
+                def __call__(self, x):
+                    import jax
+
+                    spec = jax.sharding.PartitionSpec(None, "x")
+                    return jax.lax.with_sharding_constraint(self.lin(x), spec)
+
             CALLS = []
+
+            def sharded():
+                return Sharded(nnx.Rngs(0))
 
             def linear():
                 return nnx.Linear(64, 32, rngs=nnx.Rngs(0))
@@ -115,6 +135,22 @@ def test_summary_of_a_factory(capsys, factories):
         2080,
         33_024,
     )
+
+
+def test_summary_of_a_model_that_carries_its_mesh(capsys, factories):
+    """The model runs inside its own ``mesh`` (its code needs one in context), left after the
+    command; a sharding annotation costs no FLOPs (XLA counts -1 for each)."""
+    import jax.numpy as jnp
+
+    code, out, err = _run(
+        capsys, "summary", f"{factories}:sharded", "--input", "f32[8,64]", "--json"
+    )
+    assert (code, err) == (0, "")
+    rows = hx.Summary.from_json(out).rows
+    assert [(r.key, r.params, r.flops) for r in rows] == [("", 2080, 33_024), ("lin", 2080, 33_024)]
+    model = sys.modules[factories].sharded()
+    with pytest.raises(RuntimeError, match="non-empty mesh"):
+        model(jnp.ones((8, 64)))  # no mesh in context once the command has ended
 
 
 def test_summary_of_a_factory_with_two_inputs(capsys, factories):

@@ -22,6 +22,7 @@ Subcommands are :class:`Command`\\ s in :data:`COMMANDS`; :func:`register` adds 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -288,6 +289,26 @@ def _as_32_bit(tree: Any) -> Any:
     return jax.tree.map(narrow, tree)
 
 
+# What the running command entered for its model (a model's own mesh), left when it ends.
+MODEL_CONTEXT: list[contextlib.ExitStack] = []
+
+
+def _enter_model_mesh(model: Any) -> None:
+    """A model that carries its device mesh (``model.mesh``, as EasyDeL's and MaxText's models
+    do; their layers shard by the mesh in context) runs inside it, as its own code does."""
+    import jax
+
+    mesh = getattr(model, "mesh", None) if not isinstance(model, type) else None
+    if isinstance(mesh, jax.sharding.Mesh) and MODEL_CONTEXT:
+        import warnings
+
+        # `with mesh:`, as these codebases enter it (their layers read the mesh it sets; newer
+        # JAX calls that form deprecated).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            MODEL_CONTEXT[-1].enter_context(mesh)
+
+
 def load_model(args: argparse.Namespace, *, abstract: bool) -> LoadedModel:
     """The model the options name (abstract when asked: nothing weights-sized allocated)."""
     import jax
@@ -327,6 +348,7 @@ def load_model(args: argparse.Namespace, *, abstract: bool) -> LoadedModel:
             f"{name!r} returned {type(model).__name__}, not a Flax NNX, Flax Linen or "
             "Equinox module"
         )
+    _enter_model_mesh(model)
     return LoadedModel(model, inputs, kwargs, name, int_high)
 
 

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from . import interrupt
+from . import common, interrupt
 from .common import COMMANDS, Command, UnknownArguments, UsageError, _Parser, register
 
 __all__ = ["main"]
@@ -201,8 +201,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             require("tensorboardX", "tensorboard", "hookax stats-plot (it reads TensorBoard files)")
         if args.command == "harvest":
             require("tensorstore", "harvest", "hookax harvest (it writes a zarr store)")
-        with _whole_tracebacks():
-            COMMANDS[args.command].run(args)
+        with _whole_tracebacks(), contextlib.ExitStack() as model_context:
+            common.MODEL_CONTEXT.append(model_context)
+            try:
+                COMMANDS[args.command].run(args)
+            finally:
+                common.MODEL_CONTEXT.remove(model_context)
         sys.stdout.flush()
     except (UsageError, MissingExtraError) as e:
         if interrupt.requested(e):  # an exception the Ctrl-C turned into (JAX wraps some)
