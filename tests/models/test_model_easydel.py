@@ -239,3 +239,29 @@ def test_attribution_patch_on_split_state(case: mc.Case) -> None:
         ref=lambda args, edit: run((nnx.merge(graphdef, args[0]), args[1]), edit, None)[:2],
     )
     mc.check_attribution(split_case)
+
+
+def test_steering_in_generate(case: mc.Case) -> None:
+    """A steering vector added to layer 1 during EasyDeL's own ``generate()`` (greedy, its KV
+    cache and compiled decode loop) gives the tokens of a greedy loop written by hand over the
+    full sequence with the same edit written into the layer."""
+    from transformers.generation.configuration_utils import GenerationConfig
+
+    model = case.clean[0]
+    prompt = case.clean[1][:1, :5]
+    steps = 4
+    config = GenerationConfig(max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=1)
+    v = mc.steering_vector(case)
+    where, hook = case.steer(v)
+    with mc.hx.hooks(where=where, forward=hook):
+        got = np.asarray(model.generate(prompt, generation_config=config).sequences)[0, -steps:]
+    plain = np.asarray(model.generate(prompt, generation_config=config).sequences)[0, -steps:]
+
+    seq = [int(t) for t in prompt[0]]
+    for _ in range(steps):
+        logits = run((model, jnp.asarray([seq])), lambda i, h: h + v if i == 1 else h, None)[0]
+        seq.append(int(jnp.argmax(logits[0, -1])))
+    ref = seq[-steps:]
+    assert [int(t) for t in got] == ref, (got, ref)
+    assert list(plain) != ref
+    mc.record(NAME, "steering in generate() (greedy tokens)", f"{steps}/{steps} tokens equal")
