@@ -286,3 +286,54 @@ def test_harvest_one_layer_read_back(case: mc.Case) -> None:
     # model closed over by the jitted step cannot take.
     batches = [(model, ids) for (ids,) in batches]
     mc.harvest_and_read(case, fn, batches, where=case.one_layer, name=name)
+
+
+@pytest.fixture(scope="module")
+def linen_case(setup: Any) -> mc.Case:
+    """MaxText's Linen entry point (``transformer_as_linen``: the same NNX model behind
+    ``ToLinen``), driven by Linen's ``init``/``apply``; the reference is the NNX model holding
+    the Linen variables' weights, run as above."""
+    scan, model, _ = setup
+    linen = models.transformer_as_linen(model.config, model.mesh, None)
+    ids = jax.random.randint(jax.random.key(0), (B, SEQ), 3, V)
+    rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    variables = linen.init(rngs, ids, POS, decoder_segment_ids=SEG, enable_dropout=False)
+
+    def linen_fn(variables: Any, ids: jax.Array) -> jax.Array:
+        return linen.apply(variables, ids, POS, decoder_segment_ids=SEG, enable_dropout=False)
+
+    def weight(path: tuple[Any, ...]) -> jax.Array:
+        node = variables["params"]
+        for k in path:
+            node = node[k]
+        return node.unbox() if hasattr(node, "unbox") else node
+
+    g, params, rest = nnx.split(model, nnx.Param, ...)
+    flat = [(p, v.replace(weight(p))) for p, v in nnx.to_flat_state(params)]
+    same = nnx.merge(g, nnx.from_flat_state(flat), rest)
+    nnx_case = _case(scan, same, _make(False)[0] if scan else same)
+    ref = nnx_case.ref
+    return mc.dataclasses.replace(
+        nnx_case,
+        name=nnx_case.name.replace("NNX", "Linen (ToLinen)"),
+        fn=linen_fn,
+        clean=(variables, nnx_case.clean[1]),
+        corrupt=(variables, nnx_case.corrupt[1]),
+        ref=lambda args, edit: ref((same, args[1]), edit),
+    )
+
+
+class TestMaxTextLinen:
+    """The features of an interpretability session on the Linen entry point."""
+
+    def test_capture_every_layer(self, linen_case: mc.Case) -> None:
+        mc.check_capture(linen_case)
+
+    def test_steering_forward(self, linen_case: mc.Case) -> None:
+        mc.check_steering(linen_case)
+
+    def test_patch_grid_layers_by_positions(self, linen_case: mc.Case) -> None:
+        mc.check_patch_grid_layers(linen_case)
+
+    def test_attribution_patch(self, linen_case: mc.Case) -> None:
+        mc.check_attribution(linen_case)
