@@ -3,6 +3,7 @@ leaves hooks registered exits cleanly."""
 
 from __future__ import annotations
 
+import gc
 import subprocess
 import sys
 import textwrap
@@ -65,6 +66,17 @@ def _hooked() -> set[int]:
     if value is None:
         return set()
     return {id(m) for held in value.held if (m := held.module()) is not None}
+
+
+@pytest.fixture(autouse=True)
+def _no_collection_midway():
+    """The registry key names every live module holding hooks, so a hooked module of an earlier
+    test that the garbage collector frees in the middle of a test changes the key (one more
+    trace, correctly). Collected first, and not during the test, so counts are this test's."""
+    gc.collect()
+    gc.disable()
+    yield
+    gc.enable()
 
 
 @pytest.fixture(autouse=True)
