@@ -937,3 +937,19 @@ def test_attribution_of_an_operation_in_one_layer_of_a_scanned_stack() -> None:
         hx.PatchError, match=r"'blocks/mlp:dot_general' runs inside a scan.*'blocks/mlp\[0:5\]"
     ):
         hx.patch_grid(model, (clean,), (corrupt,), jnp.sum, ops="blocks/mlp:dot_general")
+
+
+@pytest.mark.parametrize("name", ["nnx", "linen", "equinox"])
+def test_grid_rows_are_suffixes_of_one_traced_forward(name: str, traces: Any) -> None:
+    """The grid traces the corrupted forward once for all its rows (each row runs only what
+    follows its target), as a hand-written grid does: the forward is traced three times in all
+    (finding the targets, the clean values, the grid), not once per row; the same grid."""
+    fw = make(name)
+
+    def forward(*args: Any) -> jax.Array:
+        traces()
+        return fw.fn(*args)
+
+    grid = hx.patch_grid(forward, fw.args(CLEAN), fw.args(CORRUPT), metric, where=fw.keys)
+    close(grid, LAYER_GRID)
+    assert traces.n == 3

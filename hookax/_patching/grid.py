@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from .._capture.capture import capture
 from .._capture.ops import intercept_op
 from .._util.errors import HookaxError
-from . import compiled, targets
+from . import compiled, cutgrid, targets
 from .heads import check_heads, discover_ops, full_mask, op_edit
 from .patch import PatchError, patching, split_input
 
@@ -49,6 +49,7 @@ class _GridSpec:
     ops: tuple[str, ...] = ()  # the keys that are operations (patched by hx.intercept_op)
     heads: int | None = None  # the head axis of every target's value
     shapes: tuple[tuple[int, ...], ...] = ()  # each key's value shape (one call)
+    cut: bool = False  # the rows may run as suffixes of one forward (cutgrid)
 
 
 def capture_targets(fn: Any, keys: list[str], ops: list[str]) -> Callable[..., Any]:
@@ -91,6 +92,11 @@ def _grid(
     """Every target's row for ``patches`` (``(columns, heads)``, either None, a leading axis
     on those given): one program, one vmap per target."""
     metric = compiled.join(mdyn, spec.metric)
+    if spec.cut:
+        fn, args = compiled.join(dyn, spec.rest)
+        got = cutgrid.rows(fn, args, spec.keys, values, patches[0], spec.axis, metric)
+        if got is not None:
+            return got
 
     def one(key: str, dyn: list[Any], patch: Any, values: dict[str, Any]) -> Any:
         fn, args = compiled.join(dyn, spec.rest)  # rebuilt inside the vmap (NNX transforms)
@@ -216,6 +222,7 @@ class Plan:
             tuple(self.ops),
             self.heads,
             shapes,
+            cutgrid.eligible(self.keys, self.ops, self.heads),
         )
 
     def patches(self) -> tuple[Any, Any]:

@@ -1,0 +1,166 @@
+"""A grid's rows as the suffix of one traced forward: what a hand-written grid does.
+
+``hx.patch_grid`` over call sites otherwise runs, for each target, the whole patched forward
+vmapped over the patches: with ``n`` targets in a stack of ``n`` layers, ``n`` forwards traced
+and compiled. Here the corrupted forward is traced once, with each target's output marked (an
+identity primitive, ``hookax_cut``); the program computes that forward once, and each row runs,
+vmapped over the patches, only the operations after its target that depend on it, reading
+everything else from the one forward. The values are the same (the same operations on the same
+inputs); the program is the size of the hand-written one (a forward, then each suffix).
+
+It applies where the marks are plain operations of the traced program (not inside a scan, a
+``jit`` call or another transform of the model) and each target runs once with one array as
+its output; otherwise :func:`rows` returns None and the grid runs as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._hooks.intercept import intercept
+from .._util.jaxcompat import closed_parts, core, jaxprs_in_params, mlir, source_info_util
+from . import targets
+from .patch import position_mask
+
+__all__ = ["eligible", "rows"]
+
+cut_p = core.Primitive("hookax_cut")
+cut_p.def_impl(lambda x, *, key: x)
+cut_p.def_abstract_eval(lambda x, *, key: x)
+mlir.register_lowering(cut_p, lambda ctx, x, *, key: [x])
+
+
+def eligible(keys: list[str], ops: list[str], heads: Any) -> bool:
+    """Whether the targets could be cut (checked again on the traced program): call sites
+    only, whole outputs, no heads."""
+    return (
+        bool(keys)
+        and not ops
+        and heads is None
+        and all(not any(c in k for c in ".[") and not k.endswith(":in") for k in keys)
+    )
+
+
+def _mark(next_fun: Callable[..., Any], args: tuple, kwargs: dict[str, Any], context: Any) -> Any:
+    out = next_fun(*args, **kwargs)
+    return cut_p.bind(out, key=context.key) if isinstance(out, jax.Array) else out
+
+
+def rows(
+    fn: Any,
+    args: tuple[Any, ...],
+    keys: tuple[str, ...],
+    values: dict[str, Any],
+    cols: Any,
+    axis: int,
+    metric: Callable[[Any], Any],
+) -> Any | None:
+    """Every target's row (``[len(keys), n_patches, ...]``) for the columns ``cols``, or None
+    where the program does not have the shape this needs."""
+    flat, in_tree = jax.tree.flatten(args)
+
+    def forward(*xs: Any) -> Any:
+        with intercept(_mark, where=targets.selector(list(keys))):
+            return fn(*jax.tree.unflatten(in_tree, xs))
+
+    try:
+        closed, shape = jax.make_jaxpr(forward, return_shape=True)(*flat)
+    except Exception:  # a model this cannot trace so: the grid as before, which says why
+        return None
+    jaxpr, consts = closed_parts(closed)
+    at: dict[str, int] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive is cut_p:
+            key = eqn.params["key"]
+            if key in at:
+                return None  # it runs more than once
+            at[key] = i
+    if set(at) != set(keys) or _nested_cut(jaxpr):
+        return None
+    for key in keys:
+        (v,) = jaxpr.eqns[at[key]].outvars
+        got = values[key]
+        if len(got) != 1 or tuple(got[0].shape) != tuple(v.aval.shape):
+            return None
+
+    env = _run(jaxpr, consts, flat)  # the corrupted forward, once
+    out_tree = jax.tree.structure(shape)
+    out: list[Any] = []
+    for key in keys:
+        i = at[key]
+        (v,) = jaxpr.eqns[i].outvars
+        clean = values[key][0].astype(v.aval.dtype)
+        after = _dependents(jaxpr, i, v)
+
+        def row(col: Any, v: Any = v, clean: Any = clean, after: list[int] = after) -> Any:
+            mask = position_mask(col, v.aval.shape, axis, "")
+            patched = clean if mask is None else jnp.where(mask, clean, env[v])
+            local = {v: patched}
+            for j in after:
+                eqn = jaxpr.eqns[j]
+                invals = [_read(x, local, env) for x in eqn.invars]
+                for o, x in zip(eqn.outvars, _bind(eqn, invals), strict=True):
+                    local[o] = x
+            outs = [_read(x, local, env) for x in jaxpr.outvars]
+            return metric(jax.tree.unflatten(out_tree, outs))
+
+        if out:  # one row after the other: a chunk's temporaries, not every row's, are live
+            cols, _ = jax.lax.optimization_barrier((cols, out[-1]))
+        out.append(row(None) if cols is None else jax.vmap(row)(cols))
+    return jnp.stack(out)
+
+
+def _nested_cut(jaxpr: Any) -> bool:
+    def inside(j: Any) -> bool:
+        return any(
+            e.primitive is cut_p or any(inside(s) for s in jaxprs_in_params(e.params))
+            for e in j.eqns
+        )
+
+    return any(inside(s) for e in jaxpr.eqns for s in jaxprs_in_params(e.params))
+
+
+def _dependents(jaxpr: Any, start: int, var: Any) -> list[int]:
+    """The equations after ``start`` that read ``var``, directly or not."""
+    live = {var}
+    out = []
+    for j in range(start + 1, len(jaxpr.eqns)):
+        eqn = jaxpr.eqns[j]
+        if any(not isinstance(x, core.Literal) and x in live for x in eqn.invars):
+            out.append(j)
+            live.update(eqn.outvars)
+    return out
+
+
+def _read(x: Any, local: dict[Any, Any], env: dict[Any, Any]) -> Any:
+    if isinstance(x, core.Literal):
+        return x.val
+    return local[x] if x in local else env[x]
+
+
+def _bind(eqn: Any, invals: list[Any]) -> list[Any]:
+    if eqn.primitive is cut_p:
+        return invals
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with (
+        source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+        eqn.ctx.manager,
+    ):
+        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
+    return list(outs) if eqn.primitive.multiple_results else [outs]
+
+
+def _run(jaxpr: Any, consts: list[Any], args: list[Any]) -> dict[Any, Any]:
+    """Every variable's value in one run of ``jaxpr``."""
+    env: dict[Any, Any] = dict(
+        zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True)
+    )
+    for eqn in jaxpr.eqns:
+        invals = [x.val if isinstance(x, core.Literal) else env[x] for x in eqn.invars]
+        for o, x in zip(eqn.outvars, _bind(eqn, invals), strict=True):
+            env[o] = x
+    return env
