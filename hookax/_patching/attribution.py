@@ -37,6 +37,7 @@ class _Spec:
     axis: int
     ops: tuple[str, ...] = ()  # the keys that are operations
     heads: int | None = None  # the head axis of every target's value
+    clean_rest: Any = None  # (fn, clean args) without their arrays
 
 
 @jax.tree_util.register_static
@@ -109,10 +110,13 @@ def _project(term: Any, cols: Any, shape: tuple[int, ...], axis: int, key: str) 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _attribute(
-    spec: _Spec, dyn: list[Any], mdyn: list[Any], clean: dict[str, Any], cols: Any
+    spec: _Spec, dyn: list[Any], mdyn: list[Any], clean_dyn: list[Any], cols: Any
 ) -> Any:
-    fn, args = compiled.join(dyn, spec.rest)
     keys, ops = list(spec.keys), list(spec.ops)
+    # The clean values in the same program: one compilation for the whole estimate.
+    clean_fn, clean_args = compiled.join(clean_dyn, spec.clean_rest)
+    _, clean = capture_targets(clean_fn, keys, ops)(*clean_args)
+    fn, args = compiled.join(dyn, spec.rest)
     sites = [k for k in keys if k not in ops]
     inputs = [k for k in sites if split_input(k)[1]]
     loss = _loss(compiled.join(mdyn, spec.metric), keys, ops, inputs)
@@ -196,7 +200,16 @@ def attribution_patch(
     def run() -> jax.Array:
         plan = Plan(WHO, fn, clean_args, corrupt_args, metric, where, positions, axis, ops, heads)
         shapes = tuple(tuple(plan.shapes[k].shape) for k in plan.keys)
-        spec = _Spec(plan.rest, plan.metric, tuple(plan.keys), shapes, axis, tuple(plan.ops), heads)
-        return _attribute(spec, plan.dyn, plan.mdyn, plan.acts, plan.cols)
+        spec = _Spec(
+            plan.rest,
+            plan.metric,
+            tuple(plan.keys),
+            shapes,
+            axis,
+            tuple(plan.ops),
+            heads,
+            plan.clean_rest,
+        )
+        return _attribute(spec, plan.dyn, plan.mdyn, plan.clean_dyn, plan.cols)
 
     return compiled.retrying(WHO, (fn, metric), run)

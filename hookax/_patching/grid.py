@@ -207,10 +207,14 @@ class Plan:
         self.n_heads = None
         if heads is not None:
             self.n_heads = check_heads(heads, self.shapes, axis, self.cols, who)
-        clean_dyn, clean_rest = compiled.split((fn, clean_args))
-        self.acts = _clean(clean_rest, tuple(self.keys), tuple(self.ops), clean_dyn)
+        self.clean_dyn, self.clean_rest = compiled.split((fn, clean_args))
         self.dyn, self.rest = compiled.split((fn, corrupt_args))
         self.mdyn, self.metric = compiled.split(metric, ints=True)
+
+    @functools.cached_property
+    def acts(self) -> dict[str, Any]:
+        """The targets' clean values (their own program; attribution computes them in its)."""
+        return _clean(self.clean_rest, tuple(self.keys), tuple(self.ops), self.clean_dyn)
 
     def spec(self) -> _GridSpec:
         shapes = tuple(tuple(self.shapes[k].shape) for k in self.keys)
