@@ -953,3 +953,17 @@ def test_grid_rows_are_suffixes_of_one_traced_forward(name: str, traces: Any) ->
     grid = hx.patch_grid(forward, fw.args(CLEAN), fw.args(CORRUPT), metric, where=fw.keys)
     close(grid, LAYER_GRID)
     assert traces.n == 3
+
+
+def test_head_grid_of_operations_traces_the_forward_once_for_its_rows(traces: Any) -> None:
+    """Operation targets with ``heads=``: the same one traced forward, each row after its
+    operation (three traces in all, not one per row); the hand-patched grid."""
+    model = NHeadModel()
+
+    def forward(x: jax.Array) -> jax.Array:
+        traces()
+        return model(x)
+
+    got = hx.patch_grid(forward, (CLEAN,), (CORRUPT,), metric, ops=HEAD_OP, heads=1, axis=2)
+    close(got, HEAD_GRID)
+    assert traces.n == 3

@@ -8,23 +8,26 @@ vmapped over the patches, only the operations after its target that depend on it
 everything else from the one forward. The values are the same (the same operations on the same
 inputs); the program is the size of the hand-written one (a forward, then each suffix).
 
-It applies where the marks are plain operations of the traced program (not inside a scan, a
-``jit`` call or another transform of the model) and each target runs once with one array as
-its output; otherwise :func:`rows` returns None and the grid runs as before.
+It applies to call sites and operations (``ops=``), with or without ``heads=``, where the marks
+are plain operations of the traced program (not inside a scan, a ``jit`` call or another
+transform of the model) and each target runs once with one array as its value; otherwise
+:func:`rows` returns None and the grid runs as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from .._capture.ops import intercept_op
 from .._hooks.intercept import intercept
 from .._util.jaxcompat import closed_parts, core, jaxprs_in_params, mlir, source_info_util
 from . import targets
-from .patch import position_mask
+from .heads import patch_mask
 
 __all__ = ["eligible", "rows"]
 
@@ -34,14 +37,14 @@ cut_p.def_abstract_eval(lambda x, *, key: x)
 mlir.register_lowering(cut_p, lambda ctx, x, *, key: [x])
 
 
-def eligible(keys: list[str], ops: list[str], heads: Any) -> bool:
-    """Whether the targets could be cut (checked again on the traced program): call sites
-    only, whole outputs, no heads."""
+def eligible(keys: list[str], ops: list[str]) -> bool:
+    """Whether the targets could be cut (checked again on the traced program): no layer of a
+    scanned stack, call sites' whole outputs (not a part, not their inputs)."""
+    sites = [k for k in keys if k not in ops]
     return (
         bool(keys)
-        and not ops
-        and heads is None
-        and all(not any(c in k for c in ".[") and not k.endswith(":in") for k in keys)
+        and all("[" not in k for k in keys)
+        and all("." not in k and not k.endswith(":in") for k in sites)
     )
 
 
@@ -50,21 +53,33 @@ def _mark(next_fun: Callable[..., Any], args: tuple, kwargs: dict[str, Any], con
     return cut_p.bind(out, key=context.key) if isinstance(out, jax.Array) else out
 
 
+def _mark_op(value: Any, op: Any) -> Any:
+    return cut_p.bind(value, key=op.address) if isinstance(value, jax.Array) else None
+
+
 def rows(
     fn: Any,
     args: tuple[Any, ...],
     keys: tuple[str, ...],
+    ops: tuple[str, ...],
     values: dict[str, Any],
-    cols: Any,
+    patches: tuple[Any, Any],
     axis: int,
+    heads: int | None,
     metric: Callable[[Any], Any],
 ) -> Any | None:
-    """Every target's row (``[len(keys), n_patches, ...]``) for the columns ``cols``, or None
-    where the program does not have the shape this needs."""
+    """Every target's row (``[len(keys), n_patches, ...]``) for ``patches`` (``(columns,
+    heads)``, either None, a leading axis on those given), or None where the program does not
+    have the shape this needs."""
     flat, in_tree = jax.tree.flatten(args)
+    sites = [k for k in keys if k not in ops]
 
     def forward(*xs: Any) -> Any:
-        with intercept(_mark, where=targets.selector(list(keys))):
+        with contextlib.ExitStack() as stack:
+            if sites:
+                stack.enter_context(intercept(_mark, where=targets.selector(sites)))
+            if ops:
+                stack.enter_context(intercept_op(_mark_op, ops=list(ops)))
             return fn(*jax.tree.unflatten(in_tree, xs))
 
     try:
@@ -96,8 +111,10 @@ def rows(
         clean = values[key][0].astype(v.aval.dtype)
         after = _dependents(jaxpr, i, v)
 
-        def row(col: Any, v: Any = v, clean: Any = clean, after: list[int] = after) -> Any:
-            mask = position_mask(col, v.aval.shape, axis, "")
+        def row(
+            col: Any, head: Any, v: Any = v, clean: Any = clean, after: list[int] = after
+        ) -> Any:
+            mask = patch_mask(col, head, v.aval.shape, axis, heads, "")
             patched = clean if mask is None else jnp.where(mask, clean, env[v])
             local = {v: patched}
             for j in after:
@@ -109,8 +126,12 @@ def rows(
             return metric(jax.tree.unflatten(out_tree, outs))
 
         if out:  # one row after the other: a chunk's temporaries, not every row's, are live
-            cols, _ = jax.lax.optimization_barrier((cols, out[-1]))
-        out.append(row(None) if cols is None else jax.vmap(row)(cols))
+            patches, _ = jax.lax.optimization_barrier((patches, out[-1]))
+        if all(p is None for p in patches):
+            out.append(row(None, None))
+        else:
+            in_axes = tuple(None if p is None else 0 for p in patches)
+            out.append(jax.vmap(row, in_axes=in_axes)(*patches))
     return jnp.stack(out)
 
 

@@ -94,7 +94,9 @@ def _grid(
     metric = compiled.join(mdyn, spec.metric)
     if spec.cut:
         fn, args = compiled.join(dyn, spec.rest)
-        got = cutgrid.rows(fn, args, spec.keys, values, patches[0], spec.axis, metric)
+        got = cutgrid.rows(
+            fn, args, spec.keys, spec.ops, values, patches, spec.axis, spec.heads, metric
+        )
         if got is not None:
             return got
 
@@ -226,7 +228,7 @@ class Plan:
             tuple(self.ops),
             self.heads,
             shapes,
-            cutgrid.eligible(self.keys, self.ops, self.heads),
+            cutgrid.eligible(self.keys, self.ops),
         )
 
     def patches(self) -> tuple[Any, Any]:
