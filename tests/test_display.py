@@ -271,7 +271,16 @@ def test_grad_flow_shows_its_figure_in_a_notebook():
 
 
 def test_grad_flow_png_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    """The PNG goes to a temporary file hookax makes, renamed into place; an interrupt leaves
+    the earlier image; the user's other files (some named like temporaries) stay as they were."""
     flow = _flow()
+    users = {
+        f"g.png.{os.getpid()}.tmp": b"user data 1",
+        ".g.png.abc.tmp": b"user data 2",
+        "notes.txt": b"user data 3",
+    }
+    for name, data in users.items():
+        (tmp_path / name).write_bytes(data)
     out = tmp_path / "g.png"
     hx.plot_grad_flow(flow, out)
     whole = out.read_bytes()
@@ -284,7 +293,8 @@ def test_grad_flow_png_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         hx.plot_grad_flow(flow, out)
     assert out.read_bytes() == whole  # the earlier image, untouched; no temporary left
-    assert [p.name for p in tmp_path.iterdir()] == ["g.png"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*users, "g.png"])
+    assert {name: (tmp_path / name).read_bytes() for name in users} == users
     buf = io.BytesIO()
     hx.plot_grad_flow(flow, buf)  # a file object is written to directly
     assert buf.getvalue() == whole

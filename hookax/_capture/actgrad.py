@@ -329,7 +329,8 @@ def _nnx_value_and_grad(
         # Variables made anew in this trace (jax.grad hands the undifferentiated argument over
         # as it is): the call may set them (batch statistics).
         rest = jax.tree.map(lambda x: x, rest)
-        ms = iter(nnx.merge(graphdef, params, rest))
+        merged = nnx.merge(graphdef, params, rest)
+        ms = iter(merged)
         full = []
         for i, (leaves, treedef) in enumerate(flat):
             if i in arrays:
@@ -341,10 +342,7 @@ def _nnx_value_and_grad(
                     )
                 )
         out = inner(*full, p)
-        merged = [
-            x for a in full for x in jax.tree.leaves(a, is_leaf=is_nnx_module) if is_nnx_module(x)
-        ]
-        new_rest = cast(Any, nnx.split(tuple(merged), diff, ...))[2]
+        new_rest = cast(Any, nnx.split(merged, diff, ...))[2]
         value, aux = out if has_aux else (out, None)
         return value, (aux, new_rest)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import io
 import os
+import tempfile
 from typing import Any
 
 from matplotlib.figure import Figure as _Figure
@@ -22,21 +23,24 @@ def png(fig: _Figure) -> bytes:
 
 def save_png(fig: _Figure, out: Any) -> None:
     """Write the figure as a PNG to ``out`` (a path or a binary file). A path is written whole or
-    not at all: the bytes go to a temporary file beside it, renamed over ``out`` at the end, so
-    an interrupt (Ctrl-C) never leaves a truncated image."""
+    not at all: the bytes go to a new temporary file beside it (made here, so nothing else is
+    ever overwritten or removed), renamed over ``out`` at the end, so an interrupt (Ctrl-C)
+    never leaves a truncated image."""
     if hasattr(out, "write"):
         fig.savefig(out, format="png")
         return
-    path = os.fspath(out)
+    path = os.path.abspath(os.fspath(out))
     data = png(fig)
-    tmp = f"{path}.{os.getpid()}.tmp"
+    fd, tmp = tempfile.mkstemp(
+        dir=os.path.dirname(path), prefix=f".{os.path.basename(path)}.", suffix=".tmp"
+    )
     try:
-        with open(tmp, "wb") as f:
+        with os.fdopen(fd, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    except BaseException:
+        os.remove(tmp)  # the file mkstemp made for this write, and only that
+        raise
 
 
 def png_html(fig: _Figure) -> str:

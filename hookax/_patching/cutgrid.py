@@ -17,7 +17,7 @@ transform of the model) and each target runs once with one array as its value; o
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from .._capture.ops import intercept_op
 from .._hooks.intercept import intercept
-from .._util.jaxcompat import closed_parts, core, jaxprs_in_params, mlir, source_info_util
+from .._util.jaxcompat import bind_eqn, closed_parts, core, jaxprs_in_params, mlir
 from . import targets
 from .heads import patch_mask
 
@@ -37,7 +37,7 @@ cut_p.def_abstract_eval(lambda x, *, key: x)
 mlir.register_lowering(cut_p, lambda ctx, x, *, key: [x])
 
 
-def eligible(keys: list[str], ops: list[str]) -> bool:
+def eligible(keys: Sequence[str], ops: Sequence[str]) -> bool:
     """Whether the targets could be cut (checked again on the traced program): no layer of a
     scanned stack, call sites' whole outputs (not a part, not their inputs)."""
     sites = [k for k in keys if k not in ops]
@@ -164,15 +164,7 @@ def _read(x: Any, local: dict[Any, Any], env: dict[Any, Any]) -> Any:
 
 
 def _bind(eqn: Any, invals: list[Any]) -> list[Any]:
-    if eqn.primitive is cut_p:
-        return invals
-    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-    with (
-        source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-        eqn.ctx.manager,
-    ):
-        outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(eqn.params))
-    return list(outs) if eqn.primitive.multiple_results else [outs]
+    return invals if eqn.primitive is cut_p else bind_eqn(eqn, invals)
 
 
 def _run(jaxpr: Any, consts: list[Any], args: list[Any]) -> dict[Any, Any]:

@@ -49,7 +49,6 @@ class _GridSpec:
     ops: tuple[str, ...] = ()  # the keys that are operations (patched by hx.intercept_op)
     heads: int | None = None  # the head axis of every target's value
     shapes: tuple[tuple[int, ...], ...] = ()  # each key's value shape (one call)
-    cut: bool = False  # the rows may run as suffixes of one forward (cutgrid)
 
 
 def capture_targets(fn: Any, keys: list[str], ops: list[str]) -> Callable[..., Any]:
@@ -92,7 +91,7 @@ def _grid(
     """Every target's row for ``patches`` (``(columns, heads)``, either None, a leading axis
     on those given): one program, one vmap per target."""
     metric = compiled.join(mdyn, spec.metric)
-    if spec.cut:
+    if cutgrid.eligible(spec.keys, spec.ops):  # rows as suffixes of one traced forward
         fn, args = compiled.join(dyn, spec.rest)
         got = cutgrid.rows(
             fn, args, spec.keys, spec.ops, values, patches, spec.axis, spec.heads, metric
@@ -228,7 +227,6 @@ class Plan:
             tuple(self.ops),
             self.heads,
             shapes,
-            cutgrid.eligible(self.keys, self.ops),
         )
 
     def patches(self) -> tuple[Any, Any]:

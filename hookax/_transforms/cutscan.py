@@ -19,13 +19,14 @@ from typing import Any
 import jax
 
 from .._util.jaxcompat import (
+    bind_eqn,
     closed_parts,
     core,
+    eqn_context,
     invars_to_constvars,
     jaxprs_in_params,
     pe,
     scan_counts,
-    source_info_util,
 )
 
 __all__ = ["cut_scans", "cuts"]
@@ -124,28 +125,22 @@ def _eval(
     env.update(zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True))
     for i, eqn in enumerate(jaxpr.eqns):
         invals = [read(v) for v in eqn.invars]
-        name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
-        with (
-            source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
-            eqn.ctx.manager,
-        ):
-            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            # only the jit calls on the way to a scan: the others keep their settings
-            # (shardings, donation), bound as they were
-            inline_this = inline and eqn.primitive.name in _INLINE
-            if inline_this and inner is not None and _has_scan(closed_parts(inner)[0]):
+        inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+        # only the jit calls on the way to a scan: the others keep their settings
+        # (shardings, donation), bound as they were
+        inline_this = inline and eqn.primitive.name in _INLINE
+        if inline_this and inner is not None and _has_scan(closed_parts(inner)[0]):
+            with eqn_context(eqn):
                 outs = _eval(*closed_parts(inner), invals, {}, True)
-            else:
-                params = eqn.params
-                if i in lengths:
-                    m = lengths[i]
-                    n_consts, n_carry, _ = scan_counts(params)
-                    lead = n_consts + n_carry
-                    invals = invals[:lead] + [jax.lax.slice_in_dim(x, 0, m) for x in invals[lead:]]
-                    params = dict(params, length=m)
-                outs = eqn.primitive.bind(*invals, **eqn.primitive.get_bind_params(params))
-        if not eqn.primitive.multiple_results:
-            outs = [outs]
+        else:
+            params = eqn.params
+            if i in lengths:
+                m = lengths[i]
+                n_consts, n_carry, _ = scan_counts(params)
+                lead = n_consts + n_carry
+                invals = invals[:lead] + [jax.lax.slice_in_dim(x, 0, m) for x in invals[lead:]]
+                params = dict(params, length=m)
+            outs = bind_eqn(eqn, invals, params)
         for v, x in zip(eqn.outvars, outs, strict=True):
             if not isinstance(v, core.DropVar):
                 env[v] = x

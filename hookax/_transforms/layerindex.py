@@ -32,6 +32,7 @@ from .._util.jaxcompat import (
     ad_util,
     as_closed,
     batching,
+    bind_eqn,
     conditionals,
     core,
     loops,
@@ -40,7 +41,6 @@ from .._util.jaxcompat import (
     pe,
     pjit,
     scan_params,
-    source_info_util,
 )
 from .tagrules import _jaxprs_in
 
@@ -214,16 +214,7 @@ def _eval_eqn(eqn: Any, invals: list[Any], idx: Any) -> list[Any]:
     if p is layer_index_p:
         return [idx]
     if p is loops.scan_p or not any(_holds(j)[0] for j in _jaxprs_in(params)):
-        bind_params = p.get_bind_params(params)  # as core.eval_jaxpr binds
-        with (
-            source_info_util.user_context(
-                eqn.source_info.traceback,
-                name_stack=source_info_util.current_name_stack() + eqn.source_info.name_stack,
-            ),
-            eqn.ctx.manager,
-        ):
-            out = p.bind(*invals, **bind_params)
-        return list(out) if p.multiple_results else [out]
+        return bind_eqn(eqn, invals)
     if p is pjit.jit_p or p is core.closed_call_p:
         sub = params["jaxpr"] if p is pjit.jit_p else params["call_jaxpr"]
         return _eval(sub.jaxpr, sub.consts, invals, idx)

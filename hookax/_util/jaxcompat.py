@@ -57,10 +57,12 @@ __all__ = [
     "ad_util",
     "as_closed",
     "batching",
+    "bind_eqn",
     "closed_parts",
     "conditionals",
     "config",
     "core",
+    "eqn_context",
     "ft_flatten",
     "ft_pack",
     "invars_to_constvars",
@@ -182,3 +184,26 @@ def treedef_from(node_type: Any, aux: Any, children: list[Any]) -> Any:
     """The treedef of one node (``node_data()``'s type and aux data) over child treedefs."""
     registry = jax.tree_util.default_registry
     return jax.tree_util.PyTreeDef.from_node_data_and_children(registry, (node_type, aux), children)
+
+
+def eqn_context(eqn: Any) -> Any:
+    """The context an equation is bound in when a jaxpr is evaluated again (its source
+    location and name stack, its context manager), as ``jax.core.eval_jaxpr`` binds."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    stack.enter_context(
+        source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+    )
+    stack.enter_context(eqn.ctx.manager)
+    return stack
+
+
+def bind_eqn(eqn: Any, invals: list[Any], params: dict[str, Any] | None = None) -> list[Any]:
+    """``eqn``'s primitive bound on ``invals`` (with ``params``, default its own) in
+    :func:`eqn_context`; its outputs as a list."""
+    p = eqn.primitive
+    with eqn_context(eqn):
+        out = p.bind(*invals, **p.get_bind_params(eqn.params if params is None else params))
+    return list(out) if p.multiple_results else [out]
