@@ -607,3 +607,89 @@ def test_a_private_method_is_the_root_of_its_summary(framework):
         f = hx.summary(fn, model, x)
         assert [(r.key, r.type) for r in f.rows] == [("", "M"), ("a", "Linear"), ("b", "Linear")]
         assert f.totals.flops == s.totals.flops and f.totals.params == s.totals.params
+
+
+@pytest.mark.parametrize("framework", ["nnx", "linen", "equinox"])
+def test_a_second_method_of_a_module_counts_no_parameters_of_its_own(framework):
+    """``attn.__call__`` running ``attn.native_forward`` (EasyDeL's layout): the method's row
+    says where its parameters are counted instead of repeating them; a module reached only
+    through a method counts them on that method's row."""
+    x = jnp.ones((1, 8))
+    if framework == "nnx":
+
+        class Attn(nnx.Module):
+            def __init__(self, rngs):
+                self.q = nnx.Linear(8, 8, rngs=rngs)
+
+            def __call__(self, x):
+                return self.native_forward(x)
+
+            def native_forward(self, x):
+                return jax.nn.softmax(self.q(x))
+
+        class M(nnx.Module):
+            def __init__(self, rngs):
+                self.attn = Attn(rngs)
+                self.other = Attn(rngs)
+
+            def __call__(self, x):
+                return self.other.native_forward(self.attn(x))
+
+        model = M(nnx.Rngs(0))
+    elif framework == "linen":
+        import flax.linen as nn
+
+        class Attn(nn.Module):
+            def setup(self):
+                self.q = nn.Dense(8)
+
+            def __call__(self, x):
+                return self.native_forward(x)
+
+            def native_forward(self, x):
+                return jax.nn.softmax(self.q(x))
+
+        class M(nn.Module):
+            def setup(self):
+                self.attn = Attn()
+                self.other = Attn()
+
+            def __call__(self, x):
+                return self.other.native_forward(self.attn(x))
+
+        model = M()
+    else:
+        import equinox as eqx
+
+        class Attn(eqx.Module):
+            q: eqx.nn.Linear
+
+            def __init__(self, key):
+                self.q = eqx.nn.Linear(8, 8, key=key)
+
+            def __call__(self, x):
+                return self.native_forward(x)
+
+            def native_forward(self, x):
+                return jax.nn.softmax(self.q(x))
+
+        class M(eqx.Module):
+            attn: Attn
+            other: Attn
+
+            def __init__(self):
+                self.attn, self.other = Attn(jax.random.key(0)), Attn(jax.random.key(1))
+
+            def __call__(self, x):
+                return self.other.native_forward(self.attn(x))
+
+        model, x = M(), jnp.ones((8,))
+    s = hx.summary(model, x)
+    rows = {r.key: r for r in s.rows}
+    assert rows["attn"].params == rows["other:native_forward"].params == 72
+    assert rows["attn:native_forward"].params == 0
+    assert rows["attn:native_forward"].params_in == "attn"
+    assert rows["attn"].params_in is rows["other:native_forward"].params_in is None
+    assert s.totals.params == 144
+    assert sum(r.params for r in s.rows if r.depth == 1) == s.totals.params
+    assert "(in attn)" in str(s)

@@ -58,6 +58,8 @@ def _state(state: Any) -> list[str]:
 def _params(row: Any) -> str:
     if row.same_as is not None:
         return f"(same module as {row.same_as or '(model)'})"
+    if row.params_in is not None:
+        return f"(in {row.params_in or '(model)'})"
     lines = [f"{row.params:,}" if row.params else "-"]
     if row.shared_with:
         lines.append(f"(tied: {', '.join(k or '(model)' for k in row.shared_with)})")

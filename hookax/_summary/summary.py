@@ -52,6 +52,9 @@ class SummaryRow:
         are one element's).
       same_as: the key of the first row that called the very same module, when this row is a
         reuse (its parameters are counted there, not here).
+      params_in: the key of the row of another method of the same module that counts its
+        parameters, when this row is a second method of a module already listed (``attn`` for
+        ``attn:native_forward``); its own ``params`` is then 0. None otherwise.
     """
 
     key: str
@@ -72,6 +75,7 @@ class SummaryRow:
     trips: int | None = 1
     vmapped: tuple[int, ...] = ()
     same_as: str | None = None
+    params_in: str | None = None
 
     @property
     def shared(self) -> bool:
@@ -233,7 +237,9 @@ def summary(
     submodules, by collection; parameters held by several modules (tied embeddings) are counted
     once in the totals and the rows holding them say with whom they share; a module called
     twice (the same method of the very same module) is marked on its second row (``same_as``)
-    and counted once. The memory estimate is
+    and counted once; a second method of a module (``attn:native_forward`` called by
+    ``attn``'s ``__call__``) shows no parameters of its own, only where they are counted
+    (``params_in``). The memory estimate is
     one training step: inputs, variables, gradients of the trainable parameters, and the
     activations the backward pass keeps.
 
@@ -321,6 +327,7 @@ def _rows(
     activations = 0
     seen = {rec.path for _, rec in records}
     first: dict[tuple[int, str], str] = {}
+    counted: dict[tuple[int, tuple[Any, ...]], str] = {}  # module -> row counting its params
     for i, (n_site, rec) in enumerate(records):
         n = trips.get(n_site, 1)
         if i == 0:
@@ -331,6 +338,9 @@ def _rows(
         if same_as is None:
             first[(rec.module_id, rec.method)] = rec.key
         reuse = same_as is not None
+        params_in = None if reuse else counted.get((rec.module_id, rec.path))
+        counted.setdefault((rec.module_id, rec.path), rec.key)
+        hide = reuse or params_in is not None
         p, b, state = colls.of(rec.path)
         rows.append(
             SummaryRow(
@@ -340,17 +350,18 @@ def _rows(
                 method=rec.method,
                 inputs=rec.inputs,
                 outputs=rec.outputs,
-                params=0 if reuse else p,
-                param_bytes=0 if reuse else b,
+                params=0 if hide else p,
+                param_bytes=0 if hide else b,
                 flops=flops,
                 shared_with=colls.shared_with(rec.path),
                 depth=sum(1 for j in range(len(rec.path)) if rec.path[:j] in seen),
                 vjp_flops=vjp,
-                state=() if reuse else state,
-                variables=colls.variables.get(rec.path, ()) if variables and not reuse else (),
+                state=() if hide else state,
+                variables=colls.variables.get(rec.path, ()) if variables and not hide else (),
                 trips=n,
                 vmapped=rec.vmapped,
                 same_as=same_as if reuse else None,
+                params_in=params_in,
             )
         )
     return rows, activations
