@@ -355,7 +355,8 @@ def test_factory_errors(capsys, factories):
     )
     assert sys.modules[factories].CALLS == ["broken"]  # called once, not retried
     assert _error(capsys, "summary", f"{factories}:linear") == (
-        'a factory needs its input: add --input "f32[8,224,224,3]"'
+        'a factory needs its input: add --input "f32[8,224,224,3]" (or --input '
+        "pkg.module:function returning it)"
     )
 
 

@@ -115,7 +115,9 @@ def add_model_arguments(c: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="SPEC",
-        help='a positional input like "f32[8,224,224,3]"; repeat for several',
+        help='a positional input like "f32[8,224,224,3]", or package.module:function or '
+        "file.py:function returning it (any pytree: a NamedArray, a dict of arrays or "
+        "ShapeDtypeStructs); repeat for several",
     )
     c.add_argument(
         "--kw",
@@ -144,11 +146,11 @@ class LoadedModel:
     int_high: int = 2  # random integer inputs are drawn in [0, int_high)
 
 
-def _load_factory(spec: str) -> Any:
+def _load_factory(spec: str, what: str = "factory") -> Any:
     mod_name, sep, attr = spec.rpartition(":")
     if not sep or not mod_name or not attr:
         raise UsageError(
-            "a factory looks like 'package.module:function' or 'path/to/file.py:function', "
+            f"a {what} looks like 'package.module:function' or 'path/to/file.py:function', "
             f"got {spec!r}"
         )
     try:
@@ -156,15 +158,29 @@ def _load_factory(spec: str) -> Any:
     except UsageError:
         raise
     except Exception as e:
-        raise UsageError(f"cannot import factory {spec!r}: {type(e).__name__}: {e}") from None
+        raise UsageError(f"cannot import {what} {spec!r}: {type(e).__name__}: {e}") from None
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise UsageError(f"cannot import factory {spec!r}: {mod_name} has no {attr!r}")
+            raise UsageError(f"cannot import {what} {spec!r}: {mod_name} has no {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise UsageError(f"factory {spec!r} is not callable")
+        raise UsageError(f"{what} {spec!r} is not callable")
     return obj
+
+
+def _is_function_ref(text: str) -> bool:
+    """Whether an ``--input`` names a function (``pkg.mod:fn``, ``file.py:fn``), not a spec."""
+    return ":" in text and "[" not in text
+
+
+def _input_from(spec: str) -> Any:
+    """The value an ``--input pkg.mod:function`` returns (called once, with no arguments)."""
+    fn = _load_factory(spec, "input function")
+    try:
+        return fn()
+    except Exception as e:
+        raise UsageError(f"--input {spec}: it raised {type(e).__name__}: {e}") from None
 
 
 def _import(name: str) -> Any:
@@ -177,6 +193,9 @@ def _import(name: str) -> Any:
         if folder not in sys.path:
             sys.path.insert(0, folder)  # its sibling modules import too
         mod_name = os.path.splitext(os.path.basename(path))[0]
+        loaded = sys.modules.get(mod_name)
+        if loaded is not None and getattr(loaded, "__file__", None) == path:
+            return loaded  # the factory's file: an input function's classes are the model's
         spec = importlib.util.spec_from_file_location(mod_name, path)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
@@ -241,10 +260,13 @@ def _inputs(args: argparse.Namespace, default: tuple[Any, ...] | None) -> tuple[
 
     if not args.input:
         if default is None and not args.kw:
-            raise UsageError('a factory needs its input: add --input "f32[8,224,224,3]"')
+            raise UsageError(
+                'a factory needs its input: add --input "f32[8,224,224,3]" (or --input '
+                "pkg.module:function returning it)"
+            )
         return default or ()
     try:
-        return tuple(parse_spec(s) for s in args.input)
+        return tuple(_input_from(s) if _is_function_ref(s) else parse_spec(s) for s in args.input)
     except SpecError as e:
         raise UsageError(str(e)) from None
 
@@ -336,7 +358,7 @@ def load_model(args: argparse.Namespace, *, abstract: bool) -> LoadedModel:
         build = _load_factory(args.factory)
         inputs = _inputs(args, None)
         name, int_high = args.factory, 2
-    _warn_64_bit([*inputs, *jax.tree.leaves(kwargs)])
+    _warn_64_bit(jax.tree.leaves((inputs, kwargs)))
     inputs, kwargs = _as_32_bit((inputs, kwargs))
     model = _build(build, name, abstract)
     from .._engine.adapters import adapter_for

@@ -47,16 +47,18 @@ def mean_square_loss(model: Any, *inputs: Any, **kwargs: Any) -> Any:
 
 
 def random_inputs(specs: tuple[Any, ...], seed: int = 0, int_high: int = 2) -> tuple[Any, ...]:
-    """Random arrays for ``ShapeDtypeStruct`` specs: normal floats, ints in ``[0, int_high)``.
+    """Random arrays for ``ShapeDtypeStruct`` specs: normal floats, ints in ``[0, int_high)``;
+    specs inside a pytree (a NamedArray, a dict) are replaced in place.
 
-    Leaves that are not specs (ints, bools, None, PRNG keys) are passed through.
+    Leaves that are not specs (arrays, ints, bools, None, PRNG keys) are passed through.
     """
     import jax
     import jax.numpy as jnp
 
-    keys = jax.random.split(jax.random.key(seed), max(len(specs), 1))
+    leaves, treedef = jax.tree.flatten(specs)
+    keys = jax.random.split(jax.random.key(seed), max(len(leaves), 1))
     out: list[Any] = []
-    for key, spec in zip(keys, specs):
+    for key, spec in zip(keys, leaves):
         if not isinstance(spec, jax.ShapeDtypeStruct):
             out.append(spec)
         elif jnp.issubdtype(spec.dtype, jax.dtypes.prng_key):
@@ -67,7 +69,7 @@ def random_inputs(specs: tuple[Any, ...], seed: int = 0, int_high: int = 2) -> t
             out.append(jax.random.bernoulli(key, 0.5, spec.shape))
         else:
             out.append(jax.random.randint(key, spec.shape, 0, int_high, spec.dtype))
-    return tuple(out)
+    return tuple(jax.tree.unflatten(treedef, out))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,6 +25,7 @@ import jax
 from .._engine import context as _context
 from .._engine import dispatch as _dispatch
 from .._hooks.intercept import intercept
+from .._util.parts import axis_names, unwrap_sole
 from .._util.specs import describe, describe_tree
 from . import cost
 
@@ -168,14 +169,32 @@ class Whole:
 _MANY = 4
 
 
+def _described(leaf: Any) -> str:
+    """A leaf's spec; a NamedArray-like tree's with its axis names (``f32[batch=2,embed=8]``)."""
+    names = axis_names(leaf)
+    if names is None:
+        return describe(leaf)
+    array = unwrap_sole(leaf)
+    text = describe(array)
+    dims = ",".join(f"{n}={d}" for n, d in zip(names, array.shape))
+    return text[: text.index("[") + 1] + dims + "]" if "[" in text else text
+
+
+def _is_named(x: Any) -> bool:
+    return axis_names(x) is not None
+
+
 def _named(name: str, tree: Any) -> list[str]:
     """Each leaf of ``tree`` described, prefixed by ``name`` and its key path in the tree; a tree
-    of many leaves in one line, its leaves counted by spec."""
-    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    of many leaves in one line, its leaves counted by spec. A NamedArray-like tree is one leaf,
+    shown with its axis names."""
+    if _is_named(tree):
+        return [f"{name}: {_described(tree)}" if name else _described(tree)]
+    flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_named)[0]
     if len(flat) > _MANY:
         counts: dict[str, int] = {}
         for _, leaf in flat:
-            spec = describe(leaf)
+            spec = _described(leaf)
             counts[spec] = counts.get(spec, 0) + 1
         text = ", ".join(f"{n} x {spec}" if n > 1 else spec for spec, n in counts.items())
         return [f"{name}: {text}" if name else text]
@@ -183,7 +202,7 @@ def _named(name: str, tree: Any) -> list[str]:
     for kp, leaf in flat:
         sub = jax.tree_util.keystr(kp, simple=True, separator="/")
         label = "/".join(s for s in (name, sub) if s)
-        out.append(f"{label}: {describe(leaf)}" if label else describe(leaf))
+        out.append(f"{label}: {_described(leaf)}" if label else _described(leaf))
     return out
 
 
@@ -193,6 +212,9 @@ def describe_call(sig: inspect.Signature | None, args: tuple, kwargs: dict) -> t
     out: list[str] = []
     for i, arg in enumerate(args):
         leaves = jax.tree.leaves(arg)
+        if _is_named(arg):
+            out.append(_described(arg))
+            continue
         if len(leaves) <= 1 and all(x is arg for x in leaves):
             out.extend(describe(x) for x in leaves)
             continue

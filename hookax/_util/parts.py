@@ -147,6 +147,24 @@ def unwrap_sole(tree: Any) -> Any:
     return tree if found is None else found[0]
 
 
+def axis_names(tree: Any) -> tuple[str, ...] | None:
+    """The axis names of a NamedArray-like tree (:func:`sole_array`, its static data naming
+    one axis each), else None.
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> axis_names(jnp.ones(2)) is None
+      True
+    """
+    found = sole_array(tree)
+    if found is None:
+        return None
+    aux = cast(Any, found[1]).node_data()[1]
+    if not _names(aux) or len(aux) != getattr(found[0], "ndim", -1):
+        return None
+    return tuple(a if isinstance(a, str) else a.name for a in aux)
+
+
 def _names(aux: Any) -> bool:
     """Whether ``aux`` lists axes: names, or Haliax-like ``Axis(name, size)`` dataclasses."""
     return (
