@@ -46,6 +46,7 @@ from ._engine.adapters import key_linen_interceptors as key_linen_interceptors
 from ._engine.context import Context as Context
 from ._engine.select import Select as Select
 from ._engine.select import Selector as Selector
+from ._engine.select import Where as Where
 from ._harvest.harvest import harvest as harvest
 from ._harvest.opened import ActivationStore as ActivationStore
 from ._harvest.opened import open_store as open_store
@@ -135,6 +136,7 @@ __all__ = [
     "SummaryRow",
     "SummaryTotals",
     "Values",
+    "Where",
     "attribution_patch",
     "capture",
     "compilation_cache",

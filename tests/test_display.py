@@ -1,4 +1,4 @@
-"""Tables where people read them (issue "The first hour"): fitted to the terminal's width
+"""Tables where people read them, a newcomer's first hour: fitted to the terminal's width
 (wrapped inside cells, numbers never cut), ``COLUMNS`` followed, natural width when piped,
 colour on a terminal only, plain ``str()`` everywhere, short reprs, HTML for notebooks."""
 

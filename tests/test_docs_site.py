@@ -106,7 +106,7 @@ def test_no_raw_sphinx_roles_or_private_defaults(site: Path) -> None:
         assert not ROLE.search(page.read_text()), f"{page.relative_to(site)} shows a Sphinx role"
     api = text(api_html(site))
     assert "_DEFAULT" not in api
-    assert "where: Any = ...," in api
+    assert "where: Where = ...," in api and "where: Any" not in api
 
 
 def test_every_page_is_in_the_navigation(site: Path) -> None:

@@ -1,7 +1,7 @@
-"""What ``hx.harvest`` and ``hookax harvest`` show while they run and when they end (issue "The
-first hour"): a bar with percentage and time left when the number of batches is known, a line
-rewritten in place off a terminal (a notebook), one final line with one throughput figure, the
-model's own output named ``(model)``, and a short repr."""
+"""What ``hx.harvest`` and ``hookax harvest`` show while they run and when they end, in a
+newcomer's first hour: a bar with percentage and time left when the number of batches is
+known, a line rewritten in place off a terminal (a notebook), one final line with one
+throughput figure, the model's own output named ``(model)``, and a short repr."""
 
 from __future__ import annotations
 

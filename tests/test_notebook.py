@@ -1,4 +1,4 @@
-"""hookax in a Jupyter notebook (issue "The first hour"): a notebook built here runs in a real
+"""hookax in a Jupyter notebook, a newcomer's first hour: a notebook built here runs in a real
 kernel (nbclient) and its saved outputs are checked: HTML tables for the summary, the operations,
 a capture and the gradient flow (its figure inline), the figure of ``hx.plot_grad_flow`` as an
 image, ``str()`` of a summary as its text inside the kernel, and one-line reprs. One kernel runs

@@ -19,6 +19,7 @@ WORDS = re.compile(
     r"|\bnone[ ]was[ ]lent\b"
     r"|\bother[ ]agents\b"
     r"|\bissue[ ]#?\d+"
+    r'|\bissues?[ ]"[A-Z]'
     r"|\bno[ ]GPU[ ]run[ ]yet\b",
     re.I,
 )
@@ -61,6 +62,7 @@ def test_no_file_speaks_of_how_it_was_made():
         "(other " + "agents share the 2 cores)",
         "The reader in earlier " + "sessions: warm",
         "Before the scan cut (this " + "session)",
+        "notebook (" + "issue" + ' "The first hour"): a',
     ],
 )
 def test_the_words_are_recognised(line):

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .._engine import adapters as _adapters
+from .._engine.select import Where
 from .._transforms import tags as _tags
 from .._util.errors import HookaxError
 from . import capture as _capture
@@ -145,7 +146,7 @@ def value_and_grad(
     fn: Callable[..., Any],
     argnums: int | tuple[int, ...] = 0,
     *,
-    where: Any = _capture._DEFAULT,
+    where: Where = _capture._DEFAULT,
     ops: Any = None,
     has_aux: bool = False,
 ) -> Callable[..., tuple[Any, Any, dict[str, tuple[Any, ...]]]]:

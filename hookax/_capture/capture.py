@@ -24,6 +24,7 @@ from .._engine.select import (
     ALL_METHODS,
     CALL_ONLY,
     Select,
+    Where,
     as_selector,
     check_matched,
     resolve_instances,
@@ -374,7 +375,7 @@ def collect_steps(session: _tags.Session) -> dict[str, tuple[Any, ...]]:
 def capture(
     fn: Callable[..., Any],
     *,
-    where: Any = _DEFAULT,
+    where: Where = _DEFAULT,
     ops: Any = None,
     while_steps: int | None = None,
     inputs: bool = False,

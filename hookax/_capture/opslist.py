@@ -6,7 +6,7 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .._engine.select import ALL_METHODS, as_selector, resolve_instances
+from .._engine.select import ALL_METHODS, Where, as_selector, resolve_instances
 from .ops import Listing, OpHandler, OpPattern, OpRow, named_softmax
 
 __all__ = ["Ops", "ops"]
@@ -104,7 +104,7 @@ def _depth(row: OpRow, rows: list[OpRow]) -> int:
     return d
 
 
-def ops(fn: Callable[..., Any], *args: Any, where: Any = None, **kwargs: Any) -> Ops:
+def ops(fn: Callable[..., Any], *args: Any, where: Where = None, **kwargs: Any) -> Ops:
     """The operations inside each call site of ``fn(*args, **kwargs)``, with their addresses.
 
     Computed abstractly (``eval_shape``: no arrays are allocated). Each row gives the address

@@ -19,7 +19,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .._engine.select import Where
 
 __all__ = [
     "GradFlow",
@@ -139,7 +142,7 @@ def layer_grad_norms(
     model: Any,
     *inputs: Any,
     loss_fn: Callable[..., Any] = mean_square_loss,
-    where: Any = None,
+    where: Where = None,
     **kwargs: Any,
 ) -> dict[str, float]:
     """The 2-norm of the loss gradient at each layer's output, from one backward pass.
@@ -195,7 +198,7 @@ def grad_flow(
     model: Any,
     *inputs: Any,
     loss_fn: Callable[..., Any] = mean_square_loss,
-    where: Any = None,
+    where: Where = None,
     **kwargs: Any,
 ) -> GradFlow:
     """Both measurements of one backward pass (see [`hx.GradFlow`][hookax.GradFlow]).

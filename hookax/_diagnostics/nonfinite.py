@@ -20,6 +20,7 @@ import numpy as np
 
 from .._capture import actgrad as _actgrad
 from .._capture import capture as _capture
+from .._engine.select import Where
 from .._patching import compiled
 from .._util import nnxsplit
 from .._util.errors import HookaxError
@@ -191,7 +192,7 @@ def _path(path: tuple[Any, ...]) -> str:
 def find_nonfinite(
     loss_fn: Callable[..., Any],
     *args: Any,
-    where: Any = None,
+    where: Where = None,
     argnums: int | tuple[int, ...] = 0,
     has_aux: bool = False,
 ) -> Nonfinite | None:

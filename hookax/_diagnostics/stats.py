@@ -34,6 +34,7 @@ from jax import lax
 
 from .._capture import actgrad as _actgrad
 from .._capture import capture as _capture
+from .._engine.select import Where
 from .._transforms import tags as _tags
 from .._util.errors import HookaxError
 from .statsview import Stats
@@ -231,7 +232,7 @@ def value_grad_and_stats(
     fn: Callable[..., Any],
     argnums: int | tuple[int, ...] = 0,
     *,
-    where: Any = None,
+    where: Where = None,
     stats: Any = DEFAULT_STATS,
     has_aux: bool = False,
     per_example: bool = False,

@@ -10,8 +10,8 @@ import dataclasses
 import functools
 import re
 import threading
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, Union
 
 from .._util.errors import SelectorError
 from .context import path_str
@@ -19,7 +19,24 @@ from .context import path_str
 if TYPE_CHECKING:
     from .context import Context
 
-__all__ = ["Select", "Selector", "as_selector", "glob_to_regex"]
+__all__ = ["Select", "Selector", "Where", "as_selector", "glob_to_regex"]
+
+Where: TypeAlias = Union[  # Selector is defined below: the union names it as a string
+    str,
+    type,
+    tuple[type, ...],
+    "Selector",
+    Callable[["Context"], bool],
+    Sequence[Any],
+    Any,
+    None,
+]
+"""What every ``where=`` argument accepts (one grammar, on the page "Selecting call sites"):
+``None`` (every module), a path glob (``"layers/*/attn"``, ``"blocks/mlp[3]"``,
+``"encoder:encode"``), a class or a tuple of classes, an [`hx.Select`][hookax.Select] or any
+[`hx.Selector`][hookax.Selector], a callable ``(ctx) -> bool``, a module instance, or a list of
+these (their union). A module instance may be of any framework, so to a type checker this is
+``Any``."""
 
 ALL_METHODS = "*"
 CALL_ONLY: tuple[str, ...] = ("__call__",)

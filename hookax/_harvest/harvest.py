@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .._capture.capture import _DEFAULT, validate_while_steps, where_and_ops
+from .._engine.select import Where
 from .._util.errors import HookaxError
 
 __all__ = ["Harvest", "harvest"]
@@ -132,7 +133,7 @@ def harvest(
     fn: Callable[..., Any],
     batches: Iterable[Any],
     *,
-    where: Any = _DEFAULT,
+    where: Where = _DEFAULT,
     ops: Any = None,
     store: str | Path,
     dtype: Any = None,

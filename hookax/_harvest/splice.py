@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from .._engine.select import Where
 from .._util.errors import HookaxError
 
 __all__ = ["Splice", "splice_eval"]
@@ -72,7 +73,7 @@ def splice_eval(
     model: Any,
     batches: Iterable[Any],
     *,
-    where: Any,
+    where: Where,
     replace: Callable[[Any], Any],
 ) -> Splice:
     """Evaluate ``loss_fn`` with the output of the ``where=`` call site replaced.

@@ -23,7 +23,7 @@ from typing import Any
 
 from .._engine import adapters as _frameworks
 from .._engine import context as _context
-from .._engine.select import CALL_ONLY, as_selector
+from .._engine.select import CALL_ONLY, Where, as_selector
 from .._util.errors import HookaxError, SelectorError
 from .._util.fnkey import FnKey, note_fresh
 from .hookcheck import check_arity
@@ -315,7 +315,7 @@ def register_forward_pre_hook(
     module: Any,
     hook: Callable[..., Any],
     *,
-    where: Any = None,
+    where: Where = None,
     with_kwargs: bool = False,
     prepend: bool = False,
 ) -> HookHandle:
@@ -352,7 +352,7 @@ def register_forward_hook(
     module: Any,
     hook: Callable[..., Any],
     *,
-    where: Any = None,
+    where: Where = None,
     with_kwargs: bool = False,
     always_call: bool = False,
     prepend: bool = False,
@@ -395,7 +395,7 @@ def register_forward_hook(
 
 
 def register_full_backward_pre_hook(
-    module: Any, hook: Callable[..., Any], *, where: Any = None, prepend: bool = False
+    module: Any, hook: Callable[..., Any], *, where: Where = None, prepend: bool = False
 ) -> HookHandle:
     """Run ``hook`` when JAX computes the gradient of ``module``'s output.
 
@@ -422,7 +422,7 @@ def register_full_backward_pre_hook(
 
 
 def register_full_backward_hook(
-    module: Any, hook: Callable[..., Any], *, where: Any = None, prepend: bool = False
+    module: Any, hook: Callable[..., Any], *, where: Where = None, prepend: bool = False
 ) -> HookHandle:
     """Run ``hook`` when JAX computes the gradients of ``module``'s positional inputs.
 
@@ -461,7 +461,7 @@ def remove_hooks(module: Any) -> None:
 
 
 def hooks(
-    where: Any = None,
+    where: Where = None,
     forward_pre: Callable[..., Any] | None = None,
     forward: Callable[..., Any] | None = None,
     backward_pre: Callable[..., Any] | None = None,

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from .._engine import adapters as _frameworks
 from .._engine import context as _context
-from .._engine.select import ALL_METHODS, Selector, as_selector
+from .._engine.select import ALL_METHODS, Selector, Where, as_selector
 from .._util.fnkey import FnKey, note_fresh
 from .hookcheck import check_arity
 
@@ -149,7 +149,9 @@ def tracked(entry: Entry, who: str, where: Any) -> Iterator[None]:
         check_matched(who, where, entry.selector, tracker, lambda: entry)
 
 
-def intercept(interceptor: Interceptor, *, where: Any = None) -> contextlib.AbstractContextManager:
+def intercept(
+    interceptor: Interceptor, *, where: Where = None
+) -> contextlib.AbstractContextManager:
     """Intercept module method calls in this thread for the duration of a ``with`` block.
 
     ``interceptor(next_fun, args, kwargs, context)`` runs instead of each selected method call;

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .._capture.actgrad import value_and_grad
+from .._engine.select import Where
 from .._util import nnxsplit
 from . import compiled, targets
 from .grid import Plan, capture_targets
@@ -153,7 +154,7 @@ def attribution_patch(
     corrupt_args: tuple[Any, ...],
     metric: Callable[[Any], Any],
     *,
-    where: Any = None,
+    where: Where = None,
     ops: Any = None,
     heads: int | None = None,
     positions: Any = "each",

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from .._capture.capture import capture
 from .._capture.ops import intercept_op
+from .._engine.select import Where
 from .._util.errors import HookaxError
 from . import compiled, cutgrid, targets
 from .heads import check_heads, discover_ops, full_mask, op_edit
@@ -303,7 +304,7 @@ def patch_grid(
     corrupt_args: tuple[Any, ...],
     metric: Callable[[Any], Any],
     *,
-    where: Any = None,
+    where: Where = None,
     ops: Any = None,
     heads: int | None = None,
     positions: Any = "each",
