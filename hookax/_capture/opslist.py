@@ -136,7 +136,8 @@ def ops(fn: Callable[..., Any], *args: Any, where: Where = None, **kwargs: Any) 
       ...     def __call__(self, x):
       ...         return jnp.exp(jax.nn.softmax(self.lin(x)))
       >>> table = hx.ops(Block(), jnp.ones((2, 3)))
-      >>> [(r.address, r.within) for r in table if r.name in ("softmax", "exp", "dot_general")]
+      >>> names = ("softmax", "exp", "dot_general")
+      >>> [(r.address, r.within) for r in table if r.name in names]
       [('lin:dot_general', ''), (':softmax', ''), (':exp', ':softmax'), (':exp#1', '')]
     """
     from .._hooks.intercept import Entry, tracked

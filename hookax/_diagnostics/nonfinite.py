@@ -234,7 +234,8 @@ def find_nonfinite(
       None
       >>> model.layers[1].kernel[0, 0] = jnp.inf
       >>> print(hx.find_nonfinite(loss_fn, model, jnp.ones((4, 2))))
-      forward: the output of 'layers/1' holds 4 non-finite values ('layers/0' just before it ...)
+      forward: the output of 'layers/1' holds 4 non-finite values
+      ('layers/0' just before it ...)
     """
     if not callable(loss_fn):
         raise HookaxError(

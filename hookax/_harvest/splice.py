@@ -111,7 +111,9 @@ def splice_eval(
       >>> r = hx.splice_eval(loss_fn, model, batches, where="layers/0", replace=lambda y: y)
       >>> r.recovered, r.spliced_loss == r.loss
       (1.0, True)
-      >>> zero = hx.splice_eval(loss_fn, model, batches, where="layers/0", replace=lambda y: 0 * y)
+      >>> zero = hx.splice_eval(
+      ...     loss_fn, model, batches, where="layers/0", replace=lambda y: 0 * y
+      ... )
       >>> zero.recovered
       0.0
     """

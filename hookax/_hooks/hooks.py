@@ -382,7 +382,8 @@ def register_forward_hook(
       >>> import hookax as hx
       >>> rngs = nnx.Rngs(0)
       >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=rngs), nnx.Linear(3, 1, rngs=rngs))
-      >>> h = hx.register_forward_hook(model, lambda m, a, out: print(out.shape), where=nnx.Linear)
+      >>> show = lambda m, a, out: print(out.shape)
+      >>> h = hx.register_forward_hook(model, show, where=nnx.Linear)
       >>> _ = model(jnp.ones((4, 2)))
       (4, 3)
       (4, 1)
@@ -413,7 +414,8 @@ def register_full_backward_pre_hook(
       >>> import hookax as hx
       >>> model = nnx.Linear(1, 1, rngs=nnx.Rngs(0))
       >>> _ = hx.register_full_backward_pre_hook(model, lambda m, g: (g[0] * 3,))
-      >>> nnx.grad(lambda m, x: m(x).sum(), argnums=1)(model, jnp.ones((1, 1))) / model.kernel[...]
+      >>> dx = nnx.grad(lambda m, x: m(x).sum(), argnums=1)(model, jnp.ones((1, 1)))
+      >>> dx / model.kernel[...]
       Array([[3.]], dtype=float32)
       >>> hx.remove_hooks(model)
     """

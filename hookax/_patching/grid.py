@@ -372,10 +372,11 @@ def patch_grid(
       >>> import hookax as hx
       >>> model = nnx.Sequential(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.tanh)
       >>> clean, corrupt = jnp.ones((1, 3, 2)), jnp.zeros((1, 3, 2))
-      >>> grid = hx.patch_grid(model, (clean,), (corrupt,), lambda y: y[0, -1, 0], where="layers/0")
+      >>> metric = lambda y: y[0, -1, 0]
+      >>> grid = hx.patch_grid(model, (clean,), (corrupt,), metric, where="layers/0")
       >>> grid.shape
       (1, 3)
-      >>> bool(grid[0, 2] == model(clean)[0, -1, 0]), bool(grid[0, 0] == model(corrupt)[0, -1, 0])
+      >>> bool(grid[0, 2] == metric(model(clean))), bool(grid[0, 0] == metric(model(corrupt)))
       (True, True)
 
       Heads: the value of an operation, one row per head (here the two features of the
