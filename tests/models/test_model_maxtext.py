@@ -205,7 +205,9 @@ def _case(scan: bool, model: Any, ref_model: Any) -> mc.Case:
         return -jnp.mean(jax.nn.log_softmax(logits)[:, :-1, :] * jax.nn.one_hot(ids[:, 1:], V))
 
     def poison(args: tuple[Any, ...]) -> tuple[Any, ...]:
-        bad = nnx.merge(*nnx.split(args[0]))
+        # A copy of its variables too: merged from the same state, the model would share them
+        # and keep the Inf for the tests that come after.
+        bad = nnx.merge(*nnx.split(args[0]), copy=True)
         if scan:
             kernel = bad.decoder.layers.mlp.wo.kernel
             kernel[...] = kernel[...].at[0, 2, 0].set(jnp.inf)
