@@ -12,6 +12,7 @@ Python >= 3.12); skipped elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -32,6 +33,7 @@ import numpy as np
 from flax import nnx
 from maxtext.common.common_types import MODEL_MODE_TRAIN
 from maxtext.configs import pyconfig
+from maxtext.inference.maxengine import maxengine
 from maxtext.models import models
 from maxtext.utils import maxtext_utils
 from maxtext.utils.globals import MAXTEXT_PKG_DIR
@@ -41,8 +43,8 @@ POS = jnp.broadcast_to(jnp.arange(SEQ), (B, SEQ))
 SEG = jnp.ones((B, SEQ), jnp.int32)
 
 
-def _make(scan: bool) -> tuple[Any, Any]:
-    cfg = pyconfig.initialize(
+def _config(scan: bool, **more: Any) -> Any:
+    return pyconfig.initialize(
         [None, os.path.join(MAXTEXT_PKG_DIR, "configs", "base.yml")],
         run_name="hookax",
         enable_checkpointing=False,
@@ -55,7 +57,6 @@ def _make(scan: bool) -> tuple[Any, Any]:
         base_num_decoder_layers=LAYERS,
         head_dim=HEAD_DIM,
         vocab_size=V,
-        max_target_length=SEQ,
         per_device_batch_size=1,
         scan_layers=scan,
         remat_policy="full",
@@ -65,7 +66,12 @@ def _make(scan: bool) -> tuple[Any, Any]:
         attention="dot_product",
         skip_jax_distributed_system=True,
         ici_fsdp_parallelism=-1,
+        **more,
     )
+
+
+def _make(scan: bool) -> tuple[Any, Any]:
+    cfg = _config(scan, max_target_length=SEQ)
     mesh = jax.sharding.Mesh(maxtext_utils.create_device_mesh(cfg), cfg.mesh_axes)
     rngs = nnx.Rngs(params=0, dropout=1)
     model = models.Transformer(cfg, mesh=mesh, quant=None, rngs=rngs, model_mode=MODEL_MODE_TRAIN)
@@ -199,7 +205,9 @@ def _case(scan: bool, model: Any, ref_model: Any) -> mc.Case:
         return -jnp.mean(jax.nn.log_softmax(logits)[:, :-1, :] * jax.nn.one_hot(ids[:, 1:], V))
 
     def poison(args: tuple[Any, ...]) -> tuple[Any, ...]:
-        bad = nnx.merge(*nnx.split(args[0]))
+        # A copy of its variables too: merged from the same state, the model would share them
+        # and keep the Inf for the tests that come after.
+        bad = nnx.merge(*nnx.split(args[0]), copy=True)
         if scan:
             kernel = bad.decoder.layers.mlp.wo.kernel
             kernel[...] = kernel[...].at[0, 2, 0].set(jnp.inf)
@@ -337,3 +345,101 @@ class TestMaxTextLinen:
 
     def test_attribution_patch(self, linen_case: mc.Case) -> None:
         mc.check_attribution(linen_case)
+
+
+PREFILL, STEPS = 8, 6
+
+
+def _result_tokens_as_pytree() -> None:
+    """Without JetStream, MaxText's engine returns its stand-in ``ResultTokens``, a plain class
+    that its jitted prefill and generate cannot return; registered as a pytree here, as
+    JetStream's own (a ``flax.struct`` dataclass) is."""
+    rt = maxengine.engine_api.ResultTokens
+    if not getattr(maxengine.engine_api, "_IS_STUB", False):
+        return
+    with contextlib.suppress(ValueError):  # registered already
+        jax.tree_util.register_pytree_node(
+            rt,
+            lambda r: ((r.data, r.log_prob), (r.tokens_idx, r.valid_idx, r.length_idx)),
+            lambda aux, ch: rt(
+                data=ch[0],
+                log_prob=ch[1],
+                tokens_idx=aux[0],
+                valid_idx=aux[1],
+                length_idx=aux[2],
+                samples_per_slot=1,
+            ),
+        )
+
+
+def _engine(scan: bool, params: Any) -> tuple[Any, Any]:
+    """MaxText's inference engine on the tiny config, holding ``params``."""
+    cfg = _config(scan, max_target_length=PREFILL + STEPS, max_prefill_predict_length=PREFILL)
+    engine = maxengine.MaxEngine(cfg)
+    return engine, engine.load_params(params=params)
+
+
+def _decode(engine: Any, params: Any, prompt: list[int]) -> tuple[list[int], np.ndarray]:
+    """Greedy decoding by the engine's own steps: ``prefill`` (the first token), ``insert``
+    into slot 0 of its decode state, then ``generate`` (one token each, from its KV cache).
+    The tokens, and the logits each was chosen from."""
+    padded = jnp.zeros(PREFILL, jnp.int32).at[: len(prompt)].set(jnp.asarray(prompt))
+    prefix, _ = engine.prefill(params=params, padded_tokens=padded, true_length=len(prompt))
+    tokens, logits = [int(prefix["tokens"][0, 0])], [np.asarray(prefix["logits"][0, 0])]
+    state = engine.insert(prefix, engine.init_decode_state(), slot=0)
+    for _ in range(STEPS - 1):
+        state, _ = engine.generate(params, state)
+        tokens.append(int(state["tokens"][0, 0]))
+        logits.append(np.asarray(state["logits"][0, 0]))
+    return tokens, np.stack(logits)
+
+
+def _write_edit(engine: Any, layer: int, v: jax.Array) -> None:
+    """The edit written into the engine's model: decoder layer ``layer``, in both the prefill
+    and the autoregressive model, made an instance of a subclass of its class that adds ``v``
+    to its output (the parameter and cache paths stay the same)."""
+    for model in (engine.model, engine.model_ar):
+        module = getattr(model.decoder, f"layers_{layer}")
+        base = type(module)
+
+        class AddV(base):  # type: ignore[misc, valid-type]
+            def __call__(self, *args: Any, **kwargs: Any) -> Any:
+                out = super().__call__(*args, **kwargs)
+                return _put_x(out, _x(out) + v)
+
+        module.__class__ = AddV
+    engine.graphdef = nnx.split(engine.model, nnx.Param, nnx.Cache, ...)[0]
+    engine.graphdef_ar = nnx.split(engine.model_ar, nnx.Param, nnx.Cache, ...)[0]
+
+
+def test_steering_in_maxengine(setup: Any, case: mc.Case) -> None:
+    """A steering vector added to layer 1 by ``hx.hooks`` during greedy decoding by MaxText's
+    own engine (``MaxEngine``: its jitted prefill, insert and generate, its KV cache) gives the
+    tokens and logits of the same engine run without hookax, with the edit written into the
+    layer (an unscanned engine holding the same weights)."""
+    scan, model, ref_model = setup
+    _result_tokens_as_pytree()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")  # on CPU
+        engine, params = _engine(scan, nnx.state(model, nnx.Param))
+        ref_engine, ref_params = _engine(False, nnx.state(ref_model, nnx.Param))
+        v = mc.steering_vector(case) / 3  # the tokens steered, not all one token
+        prompt = [int(t) for t in case.clean[1][0, :5]]
+        plain, _ = _decode(engine, params, prompt)
+
+        def add_v(module: Any, args: Any, out: Any) -> Any:
+            # Not case.steer's hook: that one, made again over a new array, would be made
+            # often enough in a row (one per test here) for hookax's warning of retracing.
+            return _put_x(out, _x(out) + v)
+
+        with mc.hx.hooks(where=case.one_layer, forward=add_v):
+            got, got_logits = _decode(engine, params, prompt)
+        again, _ = _decode(engine, params, prompt)  # the block's end takes the edit away
+        _write_edit(ref_engine, 1, v)
+        ref, ref_logits = _decode(ref_engine, ref_params, prompt)
+    assert got == ref, (got, ref)
+    d = mc.maxdiff(got_logits, ref_logits)
+    assert d < 1e-5, d
+    assert got != plain and again == plain, (got, plain, again)
+    same = f"{STEPS}/{STEPS} tokens equal, logits {d:.1e}"
+    mc.record(case.name, "steering in MaxEngine (greedy tokens)", same)
