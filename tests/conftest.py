@@ -146,6 +146,9 @@ SLOW = (
     "tests/test_capture_grad.py::test_scan_inside_equals_hand_threaded_perturbation[eager]",
     "docs/index.md::index.md",
     "tests/test_cli.py::test_gradflow_checks_out_before_any_work",
+    "tests/test_tl_equinox.py::test_capture_by_name_equals_the_hand_forward[eager]",
+    "tests/test_tl_equinox.py::test_patch_head_every_equals_the_hand_patched_forward",
+    "tests/test_tl_equinox.py::test_patch_block_every_on_one_example_axes",
 )
 
 

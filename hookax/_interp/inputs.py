@@ -4,7 +4,9 @@ block; ``"blocks/0/attn/out:in"``: the heads' outputs before the output projecti
 One row per key: the clean run's input captured once, then one compiled program per row, a
 ``jax.vmap`` over patches of the corrupted forward with a forward pre-hook (``hx.hooks``) that
 replaces the call's first positional argument under the patch's mask (positions along ``axis``,
-one head along ``heads``). Layout as ``hx.patch_grid``: ``[key, (head,) column, ...]``.
+one head along ``heads``). Inside a ``jax.vmap`` around the model (Equinox's idiom) each example
+gets its own clean input, and ``axis``/``heads`` index one example's. Layout as
+``hx.patch_grid``: ``[key, (head,) column, ...]``.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import jax
 import jax.numpy as jnp
 
 from .._capture.capture import capture
+from .._engine import context as _context
 from .._engine.select import Select
 from .._hooks.hooks import hooks
 from .._patching import compiled
 from .._patching.heads import patch_mask
+from .._patching.patch import per_example
 
 __all__ = ["input_grid"]
 
@@ -50,11 +54,14 @@ def _row(
 ) -> Any:
     def one(col: Any, head: Any) -> Any:
         fn, args = compiled.join(dyn, rest)
+        block_trace = _context.current_trace()
 
         def pre(module: Any, a: tuple[Any, ...]) -> tuple[Any, ...]:
             x = a[0]
             mask = patch_mask(col, head, x.shape, axis, heads, site)
-            new = clean.astype(x.dtype)
+            # inside a vmap entered here (Equinox's jax.vmap(model)): each example its own
+            new = per_example(clean, x.shape, _context.call_stack()[-1], block_trace)
+            new = new.astype(x.dtype)
             return (new if mask is None else jnp.where(mask, new, x), *a[1:])
 
         with hooks(where=site, forward_pre=pre):

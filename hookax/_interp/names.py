@@ -193,11 +193,36 @@ def names(table: Mapping[str, Any] | None = None, **entries: Any) -> Names:
     return Names({**(table or {}), **entries})
 
 
-_ATTENTION = {
-    # the layout of each library's attention module: its q/k/v call sites, the probabilities'
-    # operation with its axes, the output projection (its input is z, the heads' outputs)
-    "nnx": ("query", "key", "value", "group batch head query key", "out"),
-    "linen": ("query", "key", "value", "batch head query key", "out"),
+_HEADS = "batch pos head d_head"
+_ATTENTION: dict[str, dict[str, tuple[str, str]]] = {
+    # the layout of each library's attention module: where q, k, v, the pattern and z (the
+    # heads' outputs before the output projection) are, as a suffix of the module's address,
+    # with the axes of one call's value
+    "nnx": {  # under a vmap over head groups: the pattern's leading group axis
+        "q": ("/query", _HEADS),
+        "k": ("/key", _HEADS),
+        "v": ("/value", _HEADS),
+        "pattern": (":softmax", "group batch head query key"),
+        "z": ("/out:in", _HEADS),
+    },
+    "linen": {
+        "q": ("/query", _HEADS),
+        "k": ("/key", _HEADS),
+        "v": ("/value", _HEADS),
+        "pattern": (":softmax", "batch head query key"),
+        "z": ("/out:in", _HEADS),
+    },
+    # eqx.nn.MultiheadAttention, on one example: its projections concatenate the heads (their
+    # outputs are split by the reshapes of _project, in the order q, k, v) and its output
+    # projection takes them concatenated again; per head, dot_product_attention's softmax
+    # and its second matmul (probabilities @ values) under a vmap over heads, head axis first
+    "equinox": {
+        "q": (":reshape", "pos head d_head"),
+        "k": (":reshape#1", "pos head d_head"),
+        "v": (":reshape#2", "pos head d_head"),
+        "pattern": (":softmax", "head query key"),
+        "z": (":dot_general#1", "head pos d_head"),
+    },
 }
 
 
@@ -218,17 +243,25 @@ def transformer_names(
     (``nn.MultiHeadDotProductAttention``): ``q``/``k``/``v`` are its projections' outputs
     ``(batch, pos, head, d_head)``, ``pattern`` the probabilities (Flax NNX computes them
     under a ``vmap`` over head groups: a leading ``group`` axis), ``z`` the heads' outputs
-    entering the output projection; ``None`` for attention of your own (add its names with
-    ``|``). Every layout has ``embed``, ``pos_embed``, ``resid_pre`` (a block's input),
-    ``resid_post``, ``attn_out``, ``mlp_out`` and ``ln_final`` (the final norm's output).
+    entering the output projection. ``"equinox"`` (``eqx.nn.MultiheadAttention``): operations
+    inside the module, which runs on one example, so every name's axes are one example's (no
+    ``batch``), as patches inside ``jax.vmap(model)`` index them (a capture puts the vmap's
+    batch axis in front): ``q``/``k``/``v`` ``(pos, head, d_head)``, ``pattern`` ``(head,
+    query, key)``, ``z`` ``(head, pos, d_head)``. ``None`` for attention of your own (add its
+    names with ``|``). Every layout has ``embed``, ``pos_embed``, ``resid_pre`` (a block's
+    input), ``resid_post``, ``attn_out``, ``mlp_out`` and ``ln_final`` (the final norm's
+    output).
 
     Examples:
       >>> import hookax as hx
       >>> nm = hx.transformer_names("blocks/*", attention="nnx")
       >>> nm.act("z", 1), nm.axis("z", "head"), nm.axis("pattern", "query")
       ('blocks/1/attn/out:in', 2, 3)
+      >>> eq = hx.transformer_names("blocks/*", attention="equinox")
+      >>> eq.act("z", 1), eq.axis("z", "head"), eq.resid_pre.axes
+      ('blocks/1/attn:dot_general#1', 0, ('pos', 'd_model'))
     """
-    resid = "batch pos d_model"
+    resid = "pos d_model" if attention == "equinox" else "batch pos d_model"
     table: dict[str, Any] = {
         "resid_pre": (f"{blocks}:in", resid),
         "resid_post": (blocks, resid),
@@ -248,14 +281,6 @@ def transformer_names(
                 f"hx.transformer_names: attention= takes {', '.join(map(repr, _ATTENTION))} or "
                 f"None (attention of your own: add its names with |), got {attention!r}."
             )
-        q, k, v, pattern, out = _ATTENTION[attention]
         a = f"{blocks}/{attn}"
-        heads = "batch pos head d_head"
-        table |= {
-            "q": (f"{a}/{q}", heads),
-            "k": (f"{a}/{k}", heads),
-            "v": (f"{a}/{v}", heads),
-            "pattern": (f"{a}:softmax", pattern),
-            "z": (f"{a}/{out}:in", heads),
-        }
+        table |= {k: (f"{a}{suffix}", axes) for k, (suffix, axes) in _ATTENTION[attention].items()}
     return Names(table)

@@ -120,9 +120,9 @@ def patch_head_every(
 
     ``names`` holds each name of ``which`` with its axes named, ``head`` and the position
     (``pos``; ``query`` for the pattern, as TransformerLens patches a pattern by destination
-    position): [`hx.transformer_names`][hookax.transformer_names] gives them for Flax's
-    attention modules. ``hx.patch_grid``'s own layout is ``[target, head, position]``: this is
-    its transpose.
+    position): [`hx.transformer_names`][hookax.transformer_names] gives them for Flax's and
+    Equinox's attention modules. ``hx.patch_grid``'s own layout is ``[target, head, position]``:
+    this is its transpose.
     """
     who = "hx.patch_head_every"
     _positions(positions, who)
