@@ -79,7 +79,7 @@ test-latest: $(VENV)/.installed-dev
 # (CPU) and transformer-lens (tests/parity/; a few minutes; CI runs it). `.nox/parity/bin/python
 # -m tests.parity.report` (or `nox -s parity -- report`) prints the agreement and the timings.
 test-parity: $(VENV)/.installed-dev
-	$(BIN)/nox -s parity
+	$(BIN)/nox -s parity parity_bridge
 
 # The site, strict (any warning fails) and not quiet, so a warning is seen where it fails;
 # tests/test_docs_site.py checks what the pages hold (code blocks, links, images).
