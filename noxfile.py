@@ -231,7 +231,6 @@ def parity(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-q", *args, env=ENV)
 
 
-
 BRIDGE_PINS = "tests/parity/constraints-bridge.txt"
 
 
@@ -250,6 +249,7 @@ def parity_bridge(session: nox.Session) -> None:
     env = {**ENV, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     args = session.posargs or ["tests/parity/test_bridge.py"]
     session.run("python", "-m", "pytest", "-q", *args, env=env)
+
 
 # The codebases of tests/models/, per Python: each its lock (``make lock-models`` refreshes them
 # from the ``.in`` files) and the packages installed without their dependencies. EasyDeL pins a

@@ -24,15 +24,15 @@ if int(importlib.metadata.version("transformer-lens").split(".")[0]) < 4:
     # HookedTransformer there, and this check runs on 4.x (``nox -s parity_bridge``).
     pytest.skip("the bridge check runs on TransformerLens 4", allow_module_level=True)
 
-import jax.numpy as jnp  # noqa: E402
-import torch  # noqa: E402
-from transformer_lens import patching  # noqa: E402
-from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel  # noqa: E402
+import jax.numpy as jnp
+import torch
+from transformer_lens import patching
+from transformer_lens.model_bridge import TransformerBridge
+from transformers import GPT2Config, GPT2LMHeadModel
 
-import hookax as hx  # noqa: E402
+import hookax as hx
 
-from .nnx_gpt import GPT, from_gpt2  # noqa: E402
+from .nnx_gpt import GPT, from_gpt2
 
 TOL = 1e-5
 LAYERS, D, HEADS, VOCAB, N_POS, SEQ, BATCH = 3, 64, 4, 50, 16, 8, 2

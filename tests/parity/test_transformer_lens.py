@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("transformer_lens.HookedTransformer")  # removed in TransformerLens 4
 
-from . import compare  # noqa: E402
+from . import compare
 
 TOL = 1e-5
 
