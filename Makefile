@@ -78,6 +78,7 @@ test-latest: $(VENV)/.installed-dev
 # hookax against TransformerLens 3.9 on the same GPT weights, in a venv of its own with torch
 # (CPU) and transformer-lens (tests/parity/; a few minutes; CI runs it). `.nox/parity/bin/python
 # -m tests.parity.report` (or `nox -s parity -- report`) prints the agreement and the timings.
+# Then against TransformerLens 4's TransformerBridge on a tiny GPT-2 (parity_bridge, its own venv).
 test-parity: $(VENV)/.installed-dev
 	$(BIN)/nox -s parity parity_bridge
 
