@@ -78,8 +78,9 @@ test-latest: $(VENV)/.installed-dev
 # hookax against TransformerLens 3.9 on the same GPT weights, in a venv of its own with torch
 # (CPU) and transformer-lens (tests/parity/; a few minutes; CI runs it). `.nox/parity/bin/python
 # -m tests.parity.report` (or `nox -s parity -- report`) prints the agreement and the timings.
+# Then against TransformerLens 4's TransformerBridge on a tiny GPT-2 (parity_bridge, its own venv).
 test-parity: $(VENV)/.installed-dev
-	$(BIN)/nox -s parity
+	$(BIN)/nox -s parity parity_bridge
 
 # The site, strict (any warning fails) and not quiet, so a warning is seen where it fails;
 # tests/test_docs_site.py checks what the pages hold (code blocks, links, images).

@@ -10,6 +10,7 @@
     nox -s compat           # the frameworks' own suites with hookax imported (Python 3.11, 3.12)
     nox -s parity           # hookax against TransformerLens 3.9 on the same weights (torch, CPU)
     nox -s parity -- report # its agreement table and warm timings side by side, as Markdown
+    nox -s parity_bridge    # hookax against TransformerLens 4's TransformerBridge (a tiny GPT-2)
     nox -s models           # tests/models/ on the codebases users run (gemma, EasyDeL, MaxText)
 
 Each Python has its lock (``make lock`` refreshes all three): ``requirements-dev.lock`` (3.11,
@@ -228,6 +229,26 @@ def parity(session: nox.Session) -> None:
         return
     args = session.posargs or ["tests/parity"]
     session.run("python", "-m", "pytest", "-q", *args, env=ENV)
+
+
+BRIDGE_PINS = "tests/parity/constraints-bridge.txt"
+
+
+@nox.session(python=PYTHON, venv_backend="venv", name="parity_bridge")
+def parity_bridge(session: nox.Session) -> None:
+    """hookax against the current TransformerLens' ``TransformerBridge`` (4.x, which removed
+    ``HookedTransformer``) on a random tiny GPT-2 built offline (tests/parity/test_bridge.py):
+    the logits and the cache agree to 1e-5. Its own venv (TransformerLens 4 needs transformers
+    5), installed as ``parity`` installs: torch first, then TransformerLens, then hookax on the
+    lock, everything held to tests/parity/constraints-bridge.txt. Nothing is downloaded from the
+    Hugging Face Hub: the model and its tokenizer are made in the test. ``make test-parity``."""
+    pins = _pins(BRIDGE_PINS)
+    session.install(pins["torch"])
+    session.install("-c", BRIDGE_PINS, pins["transformer-lens"])
+    session.install("-c", LOCKS[PYTHON], "-c", BRIDGE_PINS, "-e", ".[test]")
+    env = {**ENV, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    args = session.posargs or ["tests/parity/test_bridge.py"]
+    session.run("python", "-m", "pytest", "-q", *args, env=env)
 
 
 # The codebases of tests/models/, per Python: each its lock (``make lock-models`` refreshes them

@@ -1,9 +1,9 @@
 """A GPT in Flax NNX, written the usual way (``nnx.MultiHeadAttention``, ``nnx.LayerNorm``,
-``nnx.Linear``, learned positions, biases everywhere), and a loader of TransformerLens'
-``HookedTransformer`` weights into it.
+``nnx.Linear``, learned positions, biases everywhere), and loaders of TransformerLens'
+``HookedTransformer`` weights and of Hugging Face's ``GPT2LMHeadModel`` weights into it.
 
-The loader takes ``{name: numpy array}`` in TransformerLens' layout (``model.state_dict()``
-converted), so this module does not import torch.
+The loaders take ``{name: numpy array}`` (``model.state_dict()`` converted), so this module
+does not import torch.
 """
 
 from __future__ import annotations
@@ -111,4 +111,47 @@ def from_transformer_lens(sd: Mapping[str, np.ndarray], cfg: Mapping[str, int]) 
     _set(model.ln_f.bias, sd["ln_final.b"])
     _set(model.unembed.kernel, sd["unembed.W_U"])
     _set(model.unembed.bias, sd["unembed.b_U"])
+    return model
+
+
+def from_gpt2(sd: Mapping[str, np.ndarray], n_heads: int) -> GPT:
+    """The NNX GPT holding a Hugging Face ``GPT2LMHeadModel``'s weights: ``sd`` its state dict as
+    numpy arrays. GPT-2's ``Conv1D`` layers store ``[in, out]`` kernels, as Flax does; the
+    attention's query, key and value are one fused ``c_attn``; the unembedding is the token
+    embedding, transposed, with no bias."""
+    vocab, d = sd["transformer.wte.weight"].shape
+    depth = 1 + max(int(k.split(".")[2]) for k in sd if k.startswith("transformer.h."))
+    d_head = d // n_heads
+    model = GPT(
+        vocab=vocab,
+        n_ctx=sd["transformer.wpe.weight"].shape[0],
+        d=d,
+        heads=n_heads,
+        d_head=d_head,
+        d_mlp=sd["transformer.h.0.mlp.c_fc.weight"].shape[1],
+        depth=depth,
+        rngs=nnx.Rngs(0),
+    )
+    _set(model.embed.embedding, sd["transformer.wte.weight"])
+    _set(model.pos_embed.embedding, sd["transformer.wpe.weight"])
+    for i, block in enumerate(model.blocks):
+        p = f"transformer.h.{i}."
+        for ln, hf in [(block.ln1, "ln_1"), (block.ln2, "ln_2")]:
+            _set(ln.scale, sd[p + hf + ".weight"])
+            _set(ln.bias, sd[p + hf + ".bias"])
+        qkv_w = np.split(sd[p + "attn.c_attn.weight"], 3, axis=1)  # [d, 3d] -> 3 x [d, d]
+        qkv_b = np.split(sd[p + "attn.c_attn.bias"], 3)
+        for lin, w, b in zip([block.attn.query, block.attn.key, block.attn.value], qkv_w, qkv_b):
+            _set(lin.kernel, w.reshape(d, n_heads, d_head))  # heads are contiguous columns
+            _set(lin.bias, b.reshape(n_heads, d_head))
+        _set(block.attn.out.kernel, sd[p + "attn.c_proj.weight"].reshape(n_heads, d_head, d))
+        _set(block.attn.out.bias, sd[p + "attn.c_proj.bias"])
+        _set(block.mlp.fc_in.kernel, sd[p + "mlp.c_fc.weight"])
+        _set(block.mlp.fc_in.bias, sd[p + "mlp.c_fc.bias"])
+        _set(block.mlp.fc_out.kernel, sd[p + "mlp.c_proj.weight"])
+        _set(block.mlp.fc_out.bias, sd[p + "mlp.c_proj.bias"])
+    _set(model.ln_f.scale, sd["transformer.ln_f.weight"])
+    _set(model.ln_f.bias, sd["transformer.ln_f.bias"])
+    _set(model.unembed.kernel, sd["transformer.wte.weight"].T)  # tied: lm_head is wte
+    _set(model.unembed.bias, np.zeros(vocab, np.float32))
     return model
