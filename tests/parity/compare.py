@@ -22,7 +22,7 @@ from transformer_lens.hook_points import HookPoint
 
 import hookax as hx
 
-from .nnx_gpt import GPT, from_transformer_lens
+from .nnx_gpt import GPT, NAMES, PARTS, from_transformer_lens
 
 CFG: dict[str, Any] = dict(
     n_layers=3, d_model=64, n_heads=4, d_head=16, d_mlp=256, d_vocab=50, n_ctx=8
@@ -30,16 +30,6 @@ CFG: dict[str, Any] = dict(
 BATCH = 2
 ANSWER, WRONG = 7, 2  # the metric: logit of ANSWER minus WRONG at the last position
 CACHE = ("resid_pre", "pattern", "z", "attn_out", "mlp_out")
-PARTS = hx.Components(
-    attn="blocks/*/attn",
-    mlp="blocks/*/mlp",
-    blocks="blocks/*",
-    embed=("embed", "pos_embed"),
-    final_norm="ln_f",
-    unembed="unembed",
-    heads="blocks/*/attn/out",
-)
-NAMES = hx.transformer_names("blocks/*", attention="nnx", pos_embed="pos_embed")
 
 
 def tl_metric(logits: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,22 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import hookax as hx
+
 EPS = 1e-5  # TransformerLens' LayerNorm epsilon
+
+
+# The GPT's parts and TransformerLens' names for them, as the parity checks use them.
+PARTS = hx.Components(
+    attn="blocks/*/attn",
+    mlp="blocks/*/mlp",
+    blocks="blocks/*",
+    embed=("embed", "pos_embed"),
+    final_norm="ln_f",
+    unembed="unembed",
+    heads="blocks/*/attn/out",
+)
+NAMES = hx.transformer_names("blocks/*", attention="nnx", pos_embed="pos_embed")
 
 
 class MLP(nnx.Module):

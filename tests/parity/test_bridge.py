@@ -32,7 +32,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 import hookax as hx
 
-from .nnx_gpt import GPT, from_gpt2
+from .nnx_gpt import GPT, NAMES, PARTS, from_gpt2
 
 TOL = 1e-5
 LAYERS, D, HEADS, VOCAB, N_POS, SEQ, BATCH = 3, 64, 4, 50, 16, 8, 2
@@ -45,16 +45,6 @@ HOOKS = {
     "attn_out": "hook_attn_out",
     "mlp_out": "hook_mlp_out",
 }
-NAMES = hx.transformer_names("blocks/*", attention="nnx", pos_embed="pos_embed")
-PARTS = hx.Components(
-    attn="blocks/*/attn",
-    mlp="blocks/*/mlp",
-    blocks="blocks/*",
-    embed=("embed", "pos_embed"),
-    final_norm="ln_f",
-    unembed="unembed",
-    heads="blocks/*/attn/out",
-)
 
 
 def _metric(logits: Any) -> Any:
