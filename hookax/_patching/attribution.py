@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .._capture.actgrad import value_and_grad
+from .._capture.actgrad import _differentiate, _mode, value_and_grad
 from .._engine.select import Where
 from .._util import nnxsplit
 from . import compiled, targets
@@ -109,6 +109,22 @@ def _project(term: Any, cols: Any, shape: tuple[int, ...], axis: int, key: str) 
     )
 
 
+def _op_grads(
+    metric: Any, keys: list[str], ops: list[str], sites: list[str], clean: Any, held: Any, args: Any
+) -> tuple[Any, Any]:
+    """The corrupted values and the gradients of targets among which are operations:
+    ``hx.value_and_grad`` with ``ops=``, inputs (``"key:in"``) shifted by zeros."""
+    inputs = [k for k in sites if split_input(k)[1]]
+    loss = _loss(metric, keys, ops, inputs)
+    deltas: Any = jnp.zeros((), jnp.float32)
+    if inputs:
+        deltas = {k: tuple(jnp.zeros(v.shape, jnp.float32) for v in clean[k]) for k in inputs}
+    where = {"where": targets.selector(sites)} if sites else {}
+    grad = value_and_grad(loss, **where, ops=ops, has_aux=True)
+    (_, corrupt), input_grads, grads = grad(deltas, held, *args)
+    return corrupt, {**grads, **input_grads} if inputs else grads
+
+
 @functools.partial(jax.jit, static_argnums=0)
 def _attribute(
     spec: _Spec, dyn: list[Any], mdyn: list[Any], clean_dyn: list[Any], cols: Any
@@ -119,24 +135,26 @@ def _attribute(
     _, clean = capture_targets(clean_fn, keys, ops)(*clean_args)
     fn, args = compiled.join(dyn, spec.rest)
     sites = [k for k in keys if k not in ops]
-    inputs = [k for k in sites if split_input(k)[1]]
-    loss = _loss(compiled.join(mdyn, spec.metric), keys, ops, inputs)
-    # Differentiated (argnums=0), so the model is not: a zero, or for inputs ("key:in") zeros
-    # added to them (one per call, as their clean values), whose gradients are theirs.
-    deltas: Any = jnp.zeros((), jnp.float32)
-    if inputs:
-        deltas = {k: tuple(jnp.zeros(v.shape, jnp.float32) for v in clean[k]) for k in inputs}
     # A module goes in as an argument (NNX transforms inside it need it at this trace level;
     # an NNX module that is no pytree too, or a variable it creates on first use would be set
     # from inside them); a function without arrays (Linen's apply) as an empty pytree that
     # holds it.
     leaves = jax.tree.leaves(fn, is_leaf=nnxsplit.is_module)
     held = fn if any(compiled.is_array(x) or nnxsplit.is_module(x) for x in leaves) else _Closed(fn)
-    where = {"where": targets.selector(sites)} if sites else {}
-    grad = value_and_grad(loss, **where, ops=ops or None, has_aux=True)
-    (_, corrupt), input_grads, grads = grad(deltas, held, *args)
-    if inputs:
-        grads = {**grads, **input_grads}
+    metric = compiled.join(mdyn, spec.metric)
+    floating = all(
+        jnp.issubdtype(v.dtype, jnp.inexact) for k in keys for v in targets.values_of(clean, k)
+    )
+    if ops or not floating:
+        corrupt, grads = _op_grads(metric, keys, ops, sites, clean, held, args)
+    else:
+        # Zeros added to every target's value (one per call, as its clean values): their
+        # gradients are the targets'. The shapes are the clean values': no discovery trace.
+        deltas = {k: tuple(jnp.zeros_like(v) for v in targets.values_of(clean, k)) for k in keys}
+        inner = _loss(metric, keys, [], keys)
+        grad_in = lambda *a: inner(a[-1], *a[:-1])  # noqa: E731
+        mode = _mode(grad_in, (held, *args), {}, ())
+        (_, corrupt), (grads,) = _differentiate(grad_in, mode, (), True, (held, *args), deltas)
     rows = []
     for key, shape in zip(spec.keys, spec.shapes):
         term = _term(

@@ -23,6 +23,7 @@ from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._capture.capture import capture
 from .._capture.ops import intercept_op
@@ -50,6 +51,7 @@ class _GridSpec:
     ops: tuple[str, ...] = ()  # the keys that are operations (patched by hx.intercept_op)
     heads: int | None = None  # the head axis of every target's value
     shapes: tuple[tuple[int, ...], ...] = ()  # each key's value shape (one call)
+    clean_rest: Any = None  # (fn, clean args) without their arrays: clean values inside
 
 
 def capture_targets(fn: Any, keys: list[str], ops: list[str]) -> Callable[..., Any]:
@@ -87,11 +89,17 @@ def _patched(spec: _GridSpec, key: str, values: dict[str, Any], col: Any, head: 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _grid(
-    spec: _GridSpec, dyn: list[Any], mdyn: list[Any], values: dict[str, Any], patches: Any
+    spec: _GridSpec, dyn: list[Any], mdyn: list[Any], values: dict[str, Any] | None, patches: Any
 ) -> Any:
     """Every target's row for ``patches`` (``(columns, heads)``, either None, a leading axis
-    on those given): one program, one vmap per target."""
+    on those given): one program, one vmap per target. ``values`` None: the clean values are
+    captured in the same program (``dyn`` is then ``(corrupt dyn, clean dyn)``)."""
     metric = compiled.join(mdyn, spec.metric)
+    if values is None:
+        dyn, clean_dyn = dyn
+        clean_fn, clean_args = compiled.join(clean_dyn, spec.clean_rest)
+        _, acts = capture_targets(clean_fn, list(spec.keys), list(spec.ops))(*clean_args)
+        values = {k: targets.values_of(acts, k) for k in spec.keys}
     if cutgrid.eligible(spec.keys, spec.ops):  # rows as suffixes of one traced forward
         fn, args = compiled.join(dyn, spec.rest)
         got = cutgrid.rows(
@@ -232,14 +240,16 @@ class Plan:
 
     def patches(self) -> tuple[Any, Any]:
         """The patches of one row, ``(columns, heads)`` with one leading axis (either None):
-        with heads, head ``h`` with every column, for each ``h`` in turn."""
+        with heads, head ``h`` with every column, for each ``h`` in turn. Host arrays where
+        the columns are (no program compiled for tiling them)."""
         if self.n_heads is None:
             return self.cols, None
-        hs = jnp.arange(self.n_heads, dtype=jnp.int32)
+        xp = np if isinstance(self.cols, np.ndarray) or self.cols is None else jnp
+        hs = xp.arange(self.n_heads, dtype=np.int32)
         if self.cols is None:
             return None, hs
         n = self.cols.shape[0]
-        return jnp.tile(self.cols, (self.n_heads,) + (1,) * (self.cols.ndim - 1)), jnp.repeat(hs, n)
+        return xp.tile(self.cols, (self.n_heads,) + (1,) * (self.cols.ndim - 1)), xp.repeat(hs, n)
 
     def layout(self, rows: Any) -> Any:
         """``[n_targets, n_patches, ...]`` as ``[n_targets, n_heads, n_columns, ...]``."""
@@ -270,10 +280,12 @@ class Plan:
             used = min(c, n - start)
 
             def cut(p: Any, start: int = start, used: int = used) -> Any:
+                if used == n:
+                    return p
+                xp = np if isinstance(p, np.ndarray) else jnp
                 chunk = p[start : start + used]
                 if used < c:
-                    pad = jnp.repeat(chunk[-1:], c - used, axis=0)
-                    chunk = jnp.concatenate([chunk, pad])
+                    chunk = xp.concatenate([chunk, xp.repeat(chunk[-1:], c - used, axis=0)])
                 return chunk
 
             out.append((tuple(None if p is None else cut(p) for p in patches), used))
@@ -282,20 +294,48 @@ class Plan:
     def values(self) -> dict[str, Any]:
         return {k: targets.values_of(self.acts, k) for k in self.keys}
 
+    def _inputs(self, chunks: list[tuple[Any, int]]) -> tuple[_GridSpec, Any, Any]:
+        """``_grid``'s spec, model arrays and values. The clean values are captured inside the
+        grid's program (one program to compile on a first call) unless the grid runs as many
+        small chunks (each would capture them again): then in their own program, once."""
+        spec = self.spec()
+        size = next((p.shape[0] for p in chunks[0][0] if p is not None), 1)
+        if len(chunks) == 1 or size >= CPU_MIN_CHUNK:
+            return (
+                dataclasses.replace(spec, clean_rest=self.clean_rest),
+                (
+                    self.dyn,
+                    self.clean_dyn,
+                ),
+                None,
+            )
+        return spec, self.dyn, self.values()
+
     def grid(self, chunk_size: int | None) -> Any:
         chunks = self.chunks(chunk_size)
+        spec, dyn, values = self._inputs(chunks)
+        parts = [(_grid(spec, dyn, self.mdyn, values, chunk), used) for chunk, used in chunks]
         if all(p is None for p in chunks[0][0]):
-            return _grid(self.spec(), self.dyn, self.mdyn, self.values(), chunks[0][0])
-        parts = [
-            _grid(self.spec(), self.dyn, self.mdyn, self.values(), chunk)[:, :used]
-            for chunk, used in chunks
-        ]
-        return self.layout(parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=1))
+            return parts[0][0]
+        return _assemble(parts, self.layout, self.n_heads is not None and self.cols is not None)
 
     def compiled(self, chunk_size: int | None) -> Any:
         """The compiled program of one chunk (for its memory analysis)."""
-        chunk, _ = self.chunks(chunk_size)[0]
-        return _grid.lower(self.spec(), self.dyn, self.mdyn, self.values(), chunk).compile()
+        chunks = self.chunks(chunk_size)
+        spec, dyn, values = self._inputs(chunks)
+        return _grid.lower(spec, dyn, self.mdyn, values, chunks[0][0]).compile()
+
+
+def _assemble(parts: list[tuple[Any, int]], layout: Callable[[Any], Any], heads: bool) -> Any:
+    """The chunks' rows (each ``[:, :used]``) side by side, laid out; on the host when they are
+    concrete (no program compiled for slicing and joining them)."""
+    (first, used), *more = parts
+    if any(isinstance(p, jax.core.Tracer) for p, _ in parts):
+        return layout(jnp.concatenate([p[:, :u] for p, u in parts], axis=1))
+    if not more and used == first.shape[1] and not heads:
+        return first
+    out = layout(np.concatenate([np.asarray(p)[:, :u] for p, u in parts], axis=1))
+    return jax.device_put(out)  # (jnp.asarray would compile a program for it)
 
 
 def patch_grid(

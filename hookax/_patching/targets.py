@@ -15,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._engine.select import (
     CALL_ONLY,
@@ -258,23 +259,36 @@ def columns(positions: Any, axis: int, shapes: dict[str, Any], who: str) -> Any:
             )
         sizes = {}
         for key, spec in shapes.items():
-            mask = position_mask(0, spec.shape, axis, key)  # checks the axis
-            sizes[key] = spec.shape[axis % len(spec.shape)] if mask is not None else 0
+            _check_patch(np.int32(0), spec.shape, axis, key)  # checks the axis
+            sizes[key] = spec.shape[axis % len(spec.shape)]
         if len(set(sizes.values())) != 1:
             raise PatchError(
                 f"{who}: positions='each' needs the same number of positions along axis "
                 f"{axis} in every target, got {sizes}. Fix: patch targets of one kind per grid."
             )
-        return jnp.arange(next(iter(sizes.values())), dtype=jnp.int32)
-    cols = jnp.asarray(positions)
+        # Host arrays: patches cut and tiled without compiling a program for each operation.
+        return np.arange(next(iter(sizes.values())), dtype=np.int32)
+    cols: Any
+    if isinstance(positions, jax.Array):
+        cols = positions
+    else:
+        cols = np.asarray(positions)
+        if cols.dtype == object:  # ragged: JAX's own error
+            cols = jnp.asarray(positions)
+        cols = cols.astype(jax.dtypes.canonicalize_dtype(cols.dtype))
     if cols.ndim < 1 or cols.shape[0] == 0:
         raise PatchError(
             f"{who}: positions= as an array has one patch per entry along its first axis "
             f"(indices, or masks), got shape {tuple(cols.shape)}."
         )
     for key, spec in shapes.items():  # every patch fits every target (checks shapes early)
-        position_mask(cols[0], spec.shape, axis, key)
+        _check_patch(jax.ShapeDtypeStruct(cols.shape[1:], cols.dtype), spec.shape, axis, key)
     return cols
+
+
+def _check_patch(col: Any, shape: tuple[int, ...], axis: int, key: str) -> None:
+    """Whether one patch fits a value of ``shape`` (raises if not), abstractly: no program."""
+    jax.eval_shape(lambda c: position_mask(c, shape, axis, key), col)
 
 
 def where_keys(
