@@ -39,6 +39,7 @@ class _Spec:
     ops: tuple[str, ...] = ()  # the keys that are operations
     heads: int | None = None  # the head axis of every target's value
     clean_rest: Any = None  # (fn, clean args) without their arrays
+    plain: bool = False  # every target a call site inside no transform (targets.plain)
 
 
 @jax.tree_util.register_static
@@ -50,7 +51,11 @@ class _Closed:
 
 
 def _loss(
-    metric: Callable[[Any], Any], keys: list[str], ops: list[str], inputs: list[str]
+    metric: Callable[[Any], Any],
+    keys: list[str],
+    ops: list[str],
+    inputs: list[str],
+    plain: bool = False,
 ) -> Callable[..., Any]:
     """The metric and the targets' values; ``deltas`` (zeros) are added to the inputs named in
     ``inputs`` (``"key:in"``), so their gradients are the inputs' gradients."""
@@ -59,9 +64,9 @@ def _loss(
         fn = fn.fn if isinstance(fn, _Closed) else fn
         if inputs:
             with shifting(deltas):
-                y, acts = capture_targets(fn, keys, ops)(*args)
+                y, acts = capture_targets(fn, keys, ops, plain)(*args)
         else:
-            y, acts = capture_targets(fn, keys, ops)(*args)
+            y, acts = capture_targets(fn, keys, ops, plain)(*args)
         m = metric(y)
         if jnp.shape(m) != ():
             raise PatchError(
@@ -132,7 +137,7 @@ def _attribute(
     keys, ops = list(spec.keys), list(spec.ops)
     # The clean values in the same program: one compilation for the whole estimate.
     clean_fn, clean_args = compiled.join(clean_dyn, spec.clean_rest)
-    _, clean = capture_targets(clean_fn, keys, ops)(*clean_args)
+    _, clean = capture_targets(clean_fn, keys, ops, spec.plain)(*clean_args)
     fn, args = compiled.join(dyn, spec.rest)
     sites = [k for k in keys if k not in ops]
     # A module goes in as an argument (NNX transforms inside it need it at this trace level;
@@ -151,7 +156,7 @@ def _attribute(
         # Zeros added to every target's value (one per call, as its clean values): their
         # gradients are the targets'. The shapes are the clean values': no discovery trace.
         deltas = {k: tuple(jnp.zeros_like(v) for v in targets.values_of(clean, k)) for k in keys}
-        inner = _loss(metric, keys, [], keys)
+        inner = _loss(metric, keys, [], keys, spec.plain)
         grad_in = lambda *a: inner(a[-1], *a[:-1])  # noqa: E731
         mode = _mode(grad_in, (held, *args), {}, ())
         (_, corrupt), (grads,) = _differentiate(grad_in, mode, (), True, (held, *args), deltas)
@@ -228,6 +233,7 @@ def attribution_patch(
             tuple(plan.ops),
             heads,
             plan.clean_rest,
+            plan.plain,
         )
         return _attribute(spec, plan.dyn, plan.mdyn, plan.clean_dyn, plan.cols)
 

@@ -52,11 +52,17 @@ class _GridSpec:
     heads: int | None = None  # the head axis of every target's value
     shapes: tuple[tuple[int, ...], ...] = ()  # each key's value shape (one call)
     clean_rest: Any = None  # (fn, clean args) without their arrays: clean values inside
+    plain: bool = False  # every target a call site inside no transform (targets.plain)
 
 
-def capture_targets(fn: Any, keys: list[str], ops: list[str]) -> Callable[..., Any]:
+def capture_targets(
+    fn: Any, keys: list[str], ops: list[str], plain: bool = False
+) -> Callable[..., Any]:
     """``hx.capture`` of the call sites ``keys`` (their inputs for ``"key:in"``) and the
-    operations ``ops``."""
+    operations ``ops``; ``plain``: call sites inside no transform (:func:`targets.plain`),
+    kept by an interceptor."""
+    if plain and not ops:
+        return targets.recorded(fn, keys)
     sites = [k for k in keys if k not in ops]
     inputs = {"inputs": True} if any(split_input(k)[1] for k in sites) else {}
     if not ops:
@@ -66,12 +72,12 @@ def capture_targets(fn: Any, keys: list[str], ops: list[str]) -> Callable[..., A
     return capture(fn, where=targets.selector(sites), ops=ops, **inputs)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _clean(
-    rest: compiled.Static, keys: tuple[str, ...], ops: tuple[str, ...], dyn: list[Any]
+    rest: compiled.Static, keys: tuple[str, ...], ops: tuple[str, ...], plain: bool, dyn: list[Any]
 ) -> dict[str, Any]:
     fn, args = compiled.join(dyn, rest)
-    _, acts = capture_targets(fn, list(keys), list(ops))(*args)
+    _, acts = capture_targets(fn, list(keys), list(ops), plain)(*args)
     return acts
 
 
@@ -98,7 +104,8 @@ def _grid(
     if values is None:
         dyn, clean_dyn = dyn
         clean_fn, clean_args = compiled.join(clean_dyn, spec.clean_rest)
-        _, acts = capture_targets(clean_fn, list(spec.keys), list(spec.ops))(*clean_args)
+        capture = capture_targets(clean_fn, list(spec.keys), list(spec.ops), spec.plain)
+        _, acts = capture(*clean_args)
         values = {k: targets.values_of(acts, k) for k in spec.keys}
     if cutgrid.eligible(spec.keys, spec.ops):  # rows as suffixes of one traced forward
         fn, args = compiled.join(dyn, spec.rest)
@@ -203,12 +210,15 @@ class Plan:
         )
         _alike(clean_args, corrupt_args, who)
         self.keys, self.shapes = [], {}
+        self.plain = False
         if where is not None:
             found = targets.discover(fn, corrupt_args)
             self.keys = targets.where_keys(where, fn, corrupt_args, found, who)
             self.shapes = {k: targets.out_spec(k, found, who) for k in self.keys}
         op_shapes = {} if ops is None else discover_ops(fn, corrupt_args, ops, who)
         self.ops = [k for k in op_shapes if k not in self.shapes]
+        if where is not None and not self.ops:
+            self.plain = targets.plain(self.keys, found)
         self.keys += self.ops
         self.shapes.update({k: op_shapes[k] for k in self.ops})
         self.axis = axis
@@ -224,7 +234,9 @@ class Plan:
     @functools.cached_property
     def acts(self) -> dict[str, Any]:
         """The targets' clean values (their own program; attribution computes them in its)."""
-        return _clean(self.clean_rest, tuple(self.keys), tuple(self.ops), self.clean_dyn)
+        return _clean(
+            self.clean_rest, tuple(self.keys), tuple(self.ops), self.plain, self.clean_dyn
+        )
 
     def spec(self) -> _GridSpec:
         shapes = tuple(tuple(self.shapes[k].shape) for k in self.keys)
@@ -236,6 +248,7 @@ class Plan:
             tuple(self.ops),
             self.heads,
             shapes,
+            plain=self.plain,
         )
 
     def patches(self) -> tuple[Any, Any]:

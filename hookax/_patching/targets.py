@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core as jax_core
 
 from .._engine.select import (
     CALL_ONLY,
@@ -37,7 +38,15 @@ from .patch import PatchError, position_mask, split_input
 __all__ = ["Target", "columns", "discover", "expand", "selector", "where_keys"]
 
 Target = tuple[str, str, bool]  # (path glob, method, whether the call's input is the target)
-_SHAPES: dict[Any, dict[str, list[Any]]] = {}
+_SHAPES: dict[Any, Found] = {}
+
+
+class Found(dict[str, list[Any]]):
+    """What :func:`discover` found: ``{key: [output spec per call]}``, and in ``nested`` the
+    keys of the call sites called inside a transform within ``fn`` (a scan, a vmap, a remat,
+    a jitted function): their values live in that transform's trace."""
+
+    nested: frozenset[str] = frozenset()
 
 
 def parse(where: Any, who: str) -> list[Target]:
@@ -60,6 +69,46 @@ def parse(where: Any, who: str) -> list[Target]:
     return out
 
 
+def site_key(key: str) -> str:
+    """The key of the call site a target key is a value of (``"layers/1.0:in"`` ->
+    ``"layers/1"``)."""
+    return split_part(split_input(key)[0])[0]
+
+
+def plain(keys: list[str], found: Found) -> bool:
+    """Whether every target is a call site called at ``fn``'s own trace level (inside no
+    transform within it), so a plain interceptor can hand its values out (:func:`recorded`)."""
+    return all(site_key(k) in found and site_key(k) not in found.nested for k in keys)
+
+
+def recorded(fn: Any, keys: list[str]) -> Callable[..., Any]:
+    """``hx.capture`` of the call sites ``keys`` (their inputs for ``"key:in"``), for targets
+    that are :func:`plain`: an interceptor keeps each call's value, without capture's tracing
+    of every operation (which carries values out of transforms)."""
+    outs = {site_key(k) for k in keys if not split_input(k)[1]}
+    ins = {site_key(k) for k in keys if split_input(k)[1]}
+
+    def run(*fn_args: Any, **fn_kwargs: Any) -> tuple[Any, dict[str, tuple[Any, ...]]]:
+        acts: dict[str, list[Any]] = {}
+
+        def keep(
+            next_fun: Callable[..., Any], args: tuple, kwargs: dict[str, Any], context: Any
+        ) -> Any:
+            key = context.key
+            if key in ins:
+                acts.setdefault(f"{key}:in", []).append(args[0] if len(args) == 1 else args)
+            out = next_fun(*args, **kwargs)
+            if key in outs:
+                acts.setdefault(key, []).append(out)
+            return out
+
+        with intercept(keep):
+            y = fn(*fn_args, **fn_kwargs)
+        return y, {k: tuple(v) for k, v in acts.items()}
+
+    return run
+
+
 def selector(keys: list[str]) -> Any:
     """A selector picking exactly these call-site keys (for ``hx.capture``)."""
     sel: Any = None
@@ -70,7 +119,7 @@ def selector(keys: list[str]) -> Any:
     return sel
 
 
-def discover(fn: Any, args: tuple[Any, ...]) -> dict[str, list[Any]]:
+def discover(fn: Any, args: tuple[Any, ...]) -> Found:
     """``{key: [output ShapeDtypeStruct per call]}`` of every call site ``fn(*args)`` runs,
     keys in the order of their first call (found abstractly; cached by structure and shapes)."""
     dyn, rest = compiled.split((fn, args))
@@ -78,23 +127,29 @@ def discover(fn: Any, args: tuple[Any, ...]) -> dict[str, list[Any]]:
     hit = _SHAPES.get(cache_key)
     if hit is not None:
         return hit
-    found: dict[str, list[Any]] = {}
+    found = Found()
+    top: list[Any] = []
+    nested: set[str] = set()
 
     def record(
         next_fun: Callable[..., Any], args: tuple, kwargs: dict[str, Any], context: Any
     ) -> Any:
         calls = found.setdefault(context.key, [])  # keys in the order their first call started
         found.setdefault(f"{context.key}:in", []).append(_spec(args[0] if len(args) == 1 else args))
+        if jax_core.trace_ctx.trace is not top[0]:
+            nested.add(context.key)
         out = next_fun(*args, **kwargs)
         calls.append(_spec(out))
         return out
 
     def run(dyn: list[Any]) -> Any:
+        top[:] = [jax_core.trace_ctx.trace]
         f, a = compiled.join(dyn, rest)
         with intercept(record):
             return f(*a)
 
     jax.eval_shape(run, dyn)
+    found.nested = frozenset(nested)
     if len(_SHAPES) > 64:
         _SHAPES.clear()
     _SHAPES[cache_key] = found
