@@ -16,7 +16,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import core as jax_core
 
 from .._engine.select import (
     CALL_ONLY,
@@ -30,6 +29,7 @@ from .._engine.select import (
 from .._hooks.intercept import Entry, intercept, scoped
 from .._util.errors import SelectorError
 from .._util.fnkey import FnKey
+from .._util.jaxcompat import core
 from .._util.parts import leaf_at, parts, split_part, unwrap_sole
 from .._util.specs import Shown, describe, describe_flat
 from . import compiled
@@ -136,14 +136,14 @@ def discover(fn: Any, args: tuple[Any, ...]) -> Found:
     ) -> Any:
         calls = found.setdefault(context.key, [])  # keys in the order their first call started
         found.setdefault(f"{context.key}:in", []).append(_spec(args[0] if len(args) == 1 else args))
-        if jax_core.trace_ctx.trace is not top[0]:
+        if core.trace_ctx.trace is not top[0]:
             nested.add(context.key)
         out = next_fun(*args, **kwargs)
         calls.append(_spec(out))
         return out
 
     def run(dyn: list[Any]) -> Any:
-        top[:] = [jax_core.trace_ctx.trace]
+        top[:] = [core.trace_ctx.trace]
         f, a = compiled.join(dyn, rest)
         with intercept(record):
             return f(*a)
