@@ -16,7 +16,9 @@ Workflows: ``capture`` (every block's output, ``jax.jit`` over ``hx.capture``); 
 ``steering`` (10 greedy tokens, a Python loop over a jitted step with ``hx.intercept`` adding
 a vector to block 1's output). Each (model, workflow) runs in a fresh process, twice (hand
 first, then hookax first); the figures are the min of the two. ``cache`` measures
-``hx.compilation_cache``: a new process's first residual grid with the disk cache warm vs off.
+``hx.compilation_cache``: a new process's first residual grid with the disk cache warm vs off,
+where its time goes (tracing, compiling or reading back, the rest: mostly the program's first
+run), in JAX's default configuration and with XLA:CPU's YNNPACK fusions off.
 
     python -m benchmarks firstcall --json out.json
 """
@@ -36,6 +38,7 @@ from benchmarks._timing import table
 WORKFLOWS = ("capture", "resid_grid", "head_grid", "attribution", "steering")
 MODELS = ("transformer", "gpt")
 NEW_TOKENS, STEER_AT = 10, 1
+NO_YNN = "--xla_cpu_experimental_ynn_fusion_type="  # XLA:CPU without its YNNPACK fusions
 
 
 def _gpt_classes() -> Any:
@@ -341,13 +344,35 @@ def _run_child(*args: str, env: dict[str, str] | None = None) -> Any:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _cache_child(path: str) -> float:
+def _cache_child(path: str) -> dict[str, float]:
+    """A new process's first residual grid, and where its time went (JAX's monitoring events):
+    tracing, compiling (with the cache warm: reading the program back), the rest (the first
+    run of the program, the grid's Python)."""
+    import collections
+
+    from jax import monitoring
+
     import hookax as hx
 
     if path != "-":
         hx.compilation_cache(path)
     s = _setup("transformer")
-    return _seconds(lambda: _call("resid_grid", _hookax("resid_grid", s["head"]), s, 0))
+    spent: dict[str, float] = collections.defaultdict(float)
+
+    def listen(event: str, secs: float, **_: Any) -> None:
+        spent[event.rsplit("/", 1)[-1]] += secs
+
+    monitoring.register_event_duration_secs_listener(listen)
+    total = _seconds(lambda: _call("resid_grid", _hookax("resid_grid", s["head"]), s, 0))
+    trace, compile_s = spent["jaxpr_trace_duration"], spent["backend_compile_duration"]
+    lower = spent["jaxpr_to_mlir_module_duration"]
+    return {
+        "first_s": total,
+        "trace_s": trace,
+        "lower_s": lower,
+        "compile_s": compile_s,
+        "other_s": total - trace - lower - compile_s,
+    }
 
 
 def main() -> dict[str, Any]:
@@ -380,21 +405,45 @@ def main() -> dict[str, Any]:
                     f"{fig['new_data_s'] / fig['warm_s']:.2f}",
                 )
             )
-    with tempfile.TemporaryDirectory() as d:
-        _run_child("cache", d)  # fills the cache
-        cold = [_run_child("cache", "-") for _ in range(2)]
-        warm = [_run_child("cache", d) for _ in range(2)]
-    results["cache.cold_first_s"], results["cache.warm_first_s"] = min(cold), min(warm)
+    # The disk cache in JAX's default configuration, and with XLA:CPU's YNNPACK fusions off
+    # (their set-up is part of every new program's first run, cached or not).
+    caches: dict[str, dict[str, Any]] = {}
+    for config, flags in (("default", ""), ("ynn_off", NO_YNN)):
+        env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
+        with tempfile.TemporaryDirectory() as d:
+            _run_child("cache", d, env=env)  # fills the cache
+            runs = {
+                "cold": [_run_child("cache", "-", env=env) for _ in range(2)],
+                "warm": [_run_child("cache", d, env=env) for _ in range(2)],
+            }
+        for name, got in runs.items():
+            best = min(got, key=lambda r: r["first_s"])
+            caches[f"{config}.{name}"] = best
+            prefix = "cache" if config == "default" else f"cache.{config}"
+            results.update({f"{prefix}.{name}_{k}": v for k, v in best.items()})
     print(
         f"CPU ({os.cpu_count()} cores), JAX {jax.__version__}, jaxlib {jaxlib.__version__}; "
         "seconds, min of 2 fresh processes\n"
     )
     header = ("model workflow", "first", "hand first", "ratio", "new ms", "warm ms", "new/warm")
     print(table(rows, header))
+    cold, warm = caches["default.cold"], caches["default.warm"]
     print(
-        f"\nresid grid, new process: {min(cold):.2f} s without the disk cache, {min(warm):.2f} s "
-        f"with hx.compilation_cache warm ({min(warm) / min(cold):.2f}x)"
+        f"\nresid grid, new process: {cold['first_s']:.2f} s without the disk cache, "
+        f"{warm['first_s']:.2f} s with hx.compilation_cache warm "
+        f"({warm['first_s'] / cold['first_s']:.2f}x); with XLA_FLAGS={NO_YNN} as well, "
+        f"{caches['ynn_off.warm']['first_s']:.2f} s "
+        f"({caches['ynn_off.warm']['first_s'] / cold['first_s']:.2f}x)\n"
     )
+    cache_rows = [
+        (
+            name,
+            *(f"{got[k]:.2f}" for k in ("first_s", "trace_s", "lower_s", "compile_s", "other_s")),
+        )
+        for name, got in caches.items()
+    ]
+    head = ("XLA flags, disk cache", "first", "trace", "lower", "compile/read", "rest")
+    print(table(cache_rows, head))
     return results
 
 
