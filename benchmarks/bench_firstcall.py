@@ -7,8 +7,8 @@ d_model 64, LayerNorm and GELU, 16 tokens) and five workflows, the seconds of
 * ``first_s``: hookax's first call (``hand_first_s``: the first call of the equivalent
   ``jax.jit`` program written without hookax, in the same process);
 * ``new_data_s``: a call with new data (a new prompt pair, new answer tokens closed over by a
-  metric made anew, a new steering vector): no recompilation (min over 3 new data sets);
-* ``warm_s``: the same call again (min of 3).
+  metric made anew, a new steering vector): no recompilation (min over 6 new data sets);
+* ``warm_s``: the same call again (min of 6).
 
 Workflows: ``capture`` (every block's output, ``jax.jit`` over ``hx.capture``); ``resid_grid``
 (``hx.patch_grid`` over blocks x positions); ``head_grid`` (the attention's per-head output,
@@ -38,6 +38,7 @@ from benchmarks._timing import table
 WORKFLOWS = ("capture", "resid_grid", "head_grid", "attribution", "steering")
 MODELS = ("transformer", "gpt")
 NEW_TOKENS, STEER_AT = 10, 1
+NEW_SETS = 6  # new prompt pairs (and answers, steering vectors) after the first
 NO_YNN = "--xla_cpu_experimental_ynn_fusion_type="  # XLA:CPU without its YNNPACK fusions
 
 
@@ -122,9 +123,10 @@ def _setup(name: str) -> dict[str, Any]:
         seq, vocab = 16, 64
         model = _gpt_classes()(vocab, seq + NEW_TOKENS, 64, 4, 3, nnx.Rngs(0))
         head_target = {"where": "layers/*/attn/mix", "heads": 2}
-    prompts = [jax.random.randint(jax.random.key(i), (1, seq), 0, vocab) for i in range(1, 5)]
+    keys = [jax.random.key(i) for i in range(1, 2 + NEW_SETS)]
+    prompts = [jax.random.randint(k, (1, seq), 0, vocab) for k in keys]
     pairs = [(p, p.at[0, seq // 3].set((p[0, seq // 3] + 1) % vocab)) for p in prompts]
-    answers = [jnp.array([3 + i, 7 + 2 * i]) for i in range(4)]
+    answers = [jnp.array([3 + i, 7 + 2 * i]) for i in range(1 + NEW_SETS)]
     d_model = model.embed(prompts[0]).shape[-1]
     # Steering's token buffers and vectors, made before any timing (no side pays for them).
     steer = [
@@ -297,7 +299,7 @@ def _hookax(workflow: str, head: dict[str, Any]) -> Any:
 
 
 def _call(workflow: str, fn: Any, s: dict[str, Any], i: int) -> Any:
-    """One call of a workflow on data set ``i`` (0: the first prompt and answers; 1-3: new)."""
+    """One call of a workflow on data set ``i`` (0: the first prompt and answers; then new)."""
     import jax
 
     model, (clean, corrupt), ans = s["model"], s["pairs"][i], s["answers"][i]
@@ -328,10 +330,14 @@ def child(model_name: str, workflow: str, hand_first: bool) -> dict[str, float]:
         out[f"{side}.first_s"] = _seconds(lambda side=side: _call(workflow, sides[side], s, 0))
     for side in order:
         new = [
-            _seconds(lambda i=i, side=side: _call(workflow, sides[side], s, i)) for i in (1, 2, 3)
+            _seconds(lambda i=i, side=side: _call(workflow, sides[side], s, i))
+            for i in range(1, 1 + NEW_SETS)
         ]
         out[f"{side}.new_data_s"] = min(new)
-        warm = [_seconds(lambda side=side: _call(workflow, sides[side], s, 3)) for _ in range(3)]
+        warm = [
+            _seconds(lambda side=side: _call(workflow, sides[side], s, NEW_SETS))
+            for _ in range(NEW_SETS)
+        ]
         out[f"{side}.warm_s"] = min(warm)
     return out
 
