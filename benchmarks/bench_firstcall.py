@@ -350,7 +350,7 @@ def _run_child(*args: str, env: dict[str, str] | None = None) -> Any:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _cache_child(path: str) -> dict[str, float]:
+def _cache_child(path: str, side: str) -> dict[str, float]:
     """A new process's first residual grid, and where its time went (JAX's monitoring events):
     tracing, compiling (with the cache warm: reading the program back), the rest (the first
     run of the program, the grid's Python)."""
@@ -369,10 +369,13 @@ def _cache_child(path: str) -> dict[str, float]:
         spent[event.rsplit("/", 1)[-1]] += secs
 
     monitoring.register_event_duration_secs_listener(listen)
-    total = _seconds(lambda: _call("resid_grid", _hookax("resid_grid", s["head"]), s, 0))
+    fn = _hookax("resid_grid", s["head"]) if side == "hookax" else _hand("resid_grid")
+    total = _seconds(lambda: _call("resid_grid", fn, s, 0))
     trace, compile_s = spent["jaxpr_trace_duration"], spent["backend_compile_duration"]
     lower = spent["jaxpr_to_mlir_module_duration"]
+    warm = min(_seconds(lambda: _call("resid_grid", fn, s, 0)) for _ in range(3))
     return {
+        "warm_s": warm,
         "first_s": total,
         "trace_s": trace,
         "lower_s": lower,
@@ -411,21 +414,29 @@ def main() -> dict[str, Any]:
                     f"{fig['new_data_s'] / fig['warm_s']:.2f}",
                 )
             )
-    # The disk cache in JAX's default configuration, and with XLA:CPU's YNNPACK fusions off
-    # (their set-up is part of every new program's first run, cached or not).
+    # The disk cache in JAX's default configuration (hookax's grid and the hand-written one),
+    # and with XLA:CPU's YNNPACK fusions off (their set-up is part of every new program's first
+    # run, cached or not).
     caches: dict[str, dict[str, Any]] = {}
-    for config, flags in (("default", ""), ("ynn_off", NO_YNN)):
+    for side, flags in (("hookax", ""), ("hand", ""), ("hookax", NO_YNN)):
         env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip()}
         with tempfile.TemporaryDirectory() as d:
-            _run_child("cache", d, env=env)  # fills the cache
+            _run_child("cache", d, side, env=env)  # fills the cache
             runs = {
-                "cold": [_run_child("cache", "-", env=env) for _ in range(2)],
-                "warm": [_run_child("cache", d, env=env) for _ in range(2)],
+                "cold": [_run_child("cache", "-", side, env=env) for _ in range(2)],
+                "warm": [_run_child("cache", d, side, env=env) for _ in range(2)],
             }
         for name, got in runs.items():
             best = min(got, key=lambda r: r["first_s"])
-            caches[f"{config}.{name}"] = best
-            prefix = "cache" if config == "default" else f"cache.{config}"
+            shown = (
+                f"{side}{', YNN off' if flags else ''}, cache {'warm' if name == 'warm' else 'off'}"
+            )
+            caches[shown] = best
+            prefix = (
+                "cache"
+                if side == "hookax" and not flags
+                else f"cache.{side}{'.ynn_off' if flags else ''}"
+            )
             results.update({f"{prefix}.{name}_{k}": v for k, v in best.items()})
     print(
         f"CPU ({os.cpu_count()} cores), JAX {jax.__version__}, jaxlib {jaxlib.__version__}; "
@@ -433,28 +444,32 @@ def main() -> dict[str, Any]:
     )
     header = ("model workflow", "first", "hand first", "ratio", "new ms", "warm ms", "new/warm")
     print(table(rows, header))
-    cold, warm = caches["default.cold"], caches["default.warm"]
+    cold, warm = caches["hookax, cache off"], caches["hookax, cache warm"]
+    no_ynn = caches["hookax, YNN off, cache warm"]
+    hand_cold, hand_warm = caches["hand, cache off"], caches["hand, cache warm"]
     print(
         f"\nresid grid, new process: {cold['first_s']:.2f} s without the disk cache, "
         f"{warm['first_s']:.2f} s with hx.compilation_cache warm "
         f"({warm['first_s'] / cold['first_s']:.2f}x); with XLA_FLAGS={NO_YNN} as well, "
-        f"{caches['ynn_off.warm']['first_s']:.2f} s "
-        f"({caches['ynn_off.warm']['first_s'] / cold['first_s']:.2f}x)\n"
+        f"{no_ynn['first_s']:.2f} s ({no_ynn['first_s'] / cold['first_s']:.2f}x); the hand-written "
+        f"grid: {hand_cold['first_s']:.2f} s, {hand_warm['first_s']:.2f} s with the cache "
+        f"({hand_warm['first_s'] / hand_cold['first_s']:.2f}x)\n"
     )
     cache_rows = [
         (
             name,
             *(f"{got[k]:.2f}" for k in ("first_s", "trace_s", "lower_s", "compile_s", "other_s")),
+            f"{got['warm_s']:.3f}",
         )
         for name, got in caches.items()
     ]
-    head = ("XLA flags, disk cache", "first", "trace", "lower", "compile/read", "rest")
+    head = ("resid grid, new process", "first", "trace", "lower", "compile/read", "rest", "warm")
     print(table(cache_rows, head))
     return results
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "cache":
-        print(json.dumps(_cache_child(sys.argv[2])))
+        print(json.dumps(_cache_child(sys.argv[2], sys.argv[3])))
     else:
         print(json.dumps(child(sys.argv[1], sys.argv[2], sys.argv[3] == "True")))

@@ -37,6 +37,13 @@ def compilation_cache(
 
     Or the environment, before Python starts: ``JAX_COMPILATION_CACHE_DIR=path``.
 
+    What the cache cannot skip: tracing (the cache key is the traced program), reading the
+    program back, and its first run. On CPU a program's first run also sets up XLA's YNNPACK
+    fusions: for the 12-block example transformer's residual grid, 1.1 s of a 3.0 s first call
+    with the cache warm; ``XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=`` (before JAX
+    starts) turns those fusions off, for 1.75 s, at some cost to warm calls
+    ([benchmarks](../benchmarks.md#first-calls-and-new-data)).
+
     Args:
       path: the directory (created if missing); default ``~/.cache/hookax/jax``, or
         ``$HOOKAX_CACHE_DIR`` when set.
