@@ -14,11 +14,12 @@ Workflows: ``capture`` (every block's output, ``jax.jit`` over ``hx.capture``); 
 (``hx.patch_grid`` over blocks x positions); ``head_grid`` (the attention's per-head output,
 ``heads=``, [layer, head, position]); ``attribution`` (``hx.attribution_patch`` over blocks);
 ``steering`` (10 greedy tokens, a Python loop over a jitted step with ``hx.intercept`` adding
-a vector to block 1's output). Each (model, workflow) runs in a fresh process, twice (hand
-first, then hookax first); the figures are the min of the two. ``cache`` measures
-``hx.compilation_cache``: a new process's first residual grid with the disk cache warm vs off,
-where its time goes (tracing, compiling or reading back, the rest: mostly the program's first
-run), in JAX's default configuration and with XLA:CPU's YNNPACK fusions off.
+a vector to block 1's output). Each (model, workflow) runs in 4 fresh processes, hand first
+then hookax first, twice; the figures are the min of the four (first calls vary by 0.2-0.4 s
+from process to process on a 2-core machine, Python's garbage collector included). ``cache``
+measures ``hx.compilation_cache``: a new process's first residual grid with the disk cache warm
+vs off, where its time goes (tracing, compiling or reading back, the rest: mostly the program's
+first run), in JAX's default configuration and with XLA:CPU's YNNPACK fusions off.
 
     python -m benchmarks firstcall --json out.json
 """
@@ -38,6 +39,7 @@ from benchmarks._timing import table
 WORKFLOWS = ("capture", "resid_grid", "head_grid", "attribution", "steering")
 MODELS = ("transformer", "gpt")
 NEW_TOKENS, STEER_AT = 10, 1
+PAIRS = 2  # fresh processes per (model, workflow): hand first, hookax first, PAIRS times
 NEW_SETS = 6  # new prompt pairs (and answers, steering vectors) after the first
 NO_YNN = "--xla_cpu_experimental_ynn_fusion_type="  # XLA:CPU without its YNNPACK fusions
 
@@ -392,7 +394,7 @@ def main() -> dict[str, Any]:
     rows = []
     for model_name in MODELS:
         for workflow in WORKFLOWS:
-            runs = [_run_child(model_name, workflow, str(h)) for h in (True, False)]
+            runs = [_run_child(model_name, workflow, str(h)) for h in (True, False) * PAIRS]
             best = {k: min(r[k] for r in runs) for k in runs[0]}
             fig = {
                 "first_s": best["hookax.first_s"],
@@ -440,7 +442,7 @@ def main() -> dict[str, Any]:
             results.update({f"{prefix}.{name}_{k}": v for k, v in best.items()})
     print(
         f"CPU ({os.cpu_count()} cores), JAX {jax.__version__}, jaxlib {jaxlib.__version__}; "
-        "seconds, min of 2 fresh processes\n"
+        f"seconds, min of {2 * PAIRS} fresh processes\n"
     )
     header = ("model workflow", "first", "hand first", "ratio", "new ms", "warm ms", "new/warm")
     print(table(rows, header))
