@@ -562,6 +562,12 @@ def test_attribution_of_a_scanned_stack_sums_its_layers() -> None:
     close(got, ATTRIBUTION.sum(0, keepdims=True))
 
 
+def test_attribution_of_each_layer_of_a_scanned_stack() -> None:
+    # One row per layer of the one call site: every layer's gradient, not only the first's.
+    got = hx.attribution_patch(Scanned(), (CLEAN,), (CORRUPT,), metric, where=f"blocks[0:{L}]")
+    close(got, ATTRIBUTION)
+
+
 def test_attribution_needs_a_scalar_metric() -> None:
     with pytest.raises(hx.PatchError, match="the metric must return a scalar"):
         hx.attribution_patch(NModel(), (CLEAN,), (CORRUPT,), lambda y: y[:, -1], where="layers/0")
