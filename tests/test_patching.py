@@ -623,6 +623,20 @@ def test_patching_under_jax_grad_equals_the_hand_gradient() -> None:
     close(jax.jit(jax.grad(patched))(CLEAN_ACTS[1]), jax.grad(by_hand)(CLEAN_ACTS[1]))
 
 
+@pytest.mark.parametrize("mode", ["eager", "jit"])
+def test_two_layers_of_a_scanned_stack_in_one_block(mode: str) -> None:
+    """Two layer keys of one call site in one ``hx.patching``: each layer gets its own value."""
+
+    def run(model: Scanned, x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+        with hx.patching({"blocks[0]": a, "blocks[2]": b}):
+            return model(x)
+
+    f = run if mode == "eager" else nnx.jit(run)
+    got = f(Scanned(), CORRUPT, CLEAN_ACTS[0], CLEAN_ACTS[2])
+    want = reference(CORRUPT, lambda layer, h: CLEAN_ACTS[layer] if layer in (0, 2) else h)
+    close(got, want)
+
+
 def test_one_layer_of_a_scanned_stack_by_suffix():
     """``"blocks/mlp[3]"`` patches layer 3 only; a grid over the layers of a scan, one row per
     layer, equals the layers unrolled by hand with that layer's output replaced."""

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from .._capture.actgrad import _differentiate, _mode, value_and_grad
-from .._engine.select import Where, split_layers, split_method
+from .._engine.select import Where
 from .._util import nnxsplit
 from . import compiled, targets
 from .grid import Plan, capture_targets
@@ -114,16 +114,6 @@ def _project(term: Any, cols: Any, shape: tuple[int, ...], axis: int, key: str) 
     )
 
 
-def _shiftable(keys: list[str]) -> bool:
-    """Whether zeros added by one ``shifting`` block reach every target: each call site's
-    output (and its input) named once, and no layer of a scanned stack (one block shifts one
-    target per call)."""
-    outs = [targets.site_key(k) for k in keys if not split_input(k)[1]]
-    ins = [targets.site_key(k) for k in keys if split_input(k)[1]]
-    layered = any(split_layers(split_method(k)[0])[1] is not None for k in outs + ins)
-    return len(set(outs)) == len(outs) and len(set(ins)) == len(ins) and not layered
-
-
 def _op_grads(
     metric: Any, keys: list[str], ops: list[str], sites: list[str], clean: Any, held: Any, args: Any
 ) -> tuple[Any, Any]:
@@ -160,7 +150,7 @@ def _attribute(
     floating = all(
         jnp.issubdtype(v.dtype, jnp.inexact) for k in keys for v in targets.values_of(clean, k)
     )
-    if ops or not floating or not _shiftable(keys):
+    if ops or not floating:
         corrupt, grads = _op_grads(metric, keys, ops, sites, clean, held, args)
     else:
         # Zeros added to every target's value (one per call, as its clean values): their

@@ -102,13 +102,15 @@ def _run(
         state.calls.clear()
     key = context.key
     state.seen.add(key)
+    # Every target of this call applies, one after the other: several layers of a scanned
+    # stack ("blocks[0]", "blocks[1]": each under its layer's mask), or several arrays of one
+    # output ("layers/1.0", "layers/1.1").
     for k, (target, entries) in enumerate(items):
         site, is_input = split_input(target)
         if is_input and split_layers(site)[0] == key:  # "blocks/1:in": the call's input
             value = _one_input(args, target)
             layers = split_layers(site)[1]
             args = (_patch(spec, k, target, entries, value, args, kwargs, context, "", layers),)
-            break
     out = next_fun(*args, **kwargs)
     for k, (target, entries) in enumerate(items):
         site, is_input = split_input(target)
@@ -120,7 +122,7 @@ def _run(
             whole, part = split_part(site)
             base, layers = split_layers(whole)
         if base == key:
-            return _patch(spec, k, target, entries, out, args, kwargs, context, part, layers)
+            out = _patch(spec, k, target, entries, out, args, kwargs, context, part, layers)
     return out
 
 
