@@ -114,6 +114,28 @@ def test_chunks_and_host_positions_give_the_same_grid():
         np.testing.assert_allclose(got, picked[0], atol=1e-6)
 
 
+@pytest.mark.parametrize("jit", [jax.jit, nnx.jit])
+def test_under_jit_the_same_grid_and_attribution(jit):
+    """Inside a jit with the model as an argument: the rows joined in the program (chunks and
+    heads), the targets kept by the interceptor at that trace level."""
+    model = Net()
+
+    def grid(model, clean, corrupt, chunk_size):
+        return hx.patch_grid(
+            model, (clean,), (corrupt,), metric, where="split", heads=2, chunk_size=chunk_size
+        )
+
+    def attribution(model, clean, corrupt):
+        return hx.attribution_patch(model, (clean,), (corrupt,), metric, where=["a", "split"])
+
+    jitted = jit(grid, static_argnames="chunk_size")
+    for chunk in (None, 3):
+        got = jitted(model, CLEAN, CORRUPT, chunk_size=chunk)
+        np.testing.assert_allclose(got, _by_hand(model, heads=True), atol=1e-6)
+    eager = attribution(model, CLEAN, CORRUPT)
+    np.testing.assert_allclose(jit(attribution)(model, CLEAN, CORRUPT), eager, atol=1e-6)
+
+
 def test_plain_targets_give_what_capture_gives(monkeypatch):
     model = Net()
     plan = grid_module.Plan("t", model, (CLEAN,), (CORRUPT,), metric, "*", "each", 1)

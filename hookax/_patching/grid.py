@@ -313,16 +313,10 @@ class Plan:
         small chunks (each would capture them again): then in their own program, once."""
         spec = self.spec()
         size = next((p.shape[0] for p in chunks[0][0] if p is not None), 1)
-        if len(chunks) == 1 or size >= CPU_MIN_CHUNK:
-            return (
-                dataclasses.replace(spec, clean_rest=self.clean_rest),
-                (
-                    self.dyn,
-                    self.clean_dyn,
-                ),
-                None,
-            )
-        return spec, self.dyn, self.values()
+        if len(chunks) > 1 and size < CPU_MIN_CHUNK:
+            return spec, self.dyn, self.values()
+        both = (self.dyn, self.clean_dyn)
+        return dataclasses.replace(spec, clean_rest=self.clean_rest), both, None
 
     def grid(self, chunk_size: int | None) -> Any:
         chunks = self.chunks(chunk_size)

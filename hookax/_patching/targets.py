@@ -10,6 +10,7 @@ row.
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -314,7 +315,7 @@ def columns(positions: Any, axis: int, shapes: dict[str, Any], who: str) -> Any:
             )
         sizes = {}
         for key, spec in shapes.items():
-            _check_patch(np.int32(0), spec.shape, axis, key)  # checks the axis
+            _check_patch((), np.dtype(np.int32), tuple(spec.shape), axis, key)  # the axis
             sizes[key] = spec.shape[axis % len(spec.shape)]
         if len(set(sizes.values())) != 1:
             raise PatchError(
@@ -337,12 +338,17 @@ def columns(positions: Any, axis: int, shapes: dict[str, Any], who: str) -> Any:
             f"(indices, or masks), got shape {tuple(cols.shape)}."
         )
     for key, spec in shapes.items():  # every patch fits every target (checks shapes early)
-        _check_patch(jax.ShapeDtypeStruct(cols.shape[1:], cols.dtype), spec.shape, axis, key)
+        _check_patch(tuple(cols.shape[1:]), np.dtype(cols.dtype), tuple(spec.shape), axis, key)
     return cols
 
 
-def _check_patch(col: Any, shape: tuple[int, ...], axis: int, key: str) -> None:
-    """Whether one patch fits a value of ``shape`` (raises if not), abstractly: no program."""
+@functools.lru_cache(maxsize=1024)
+def _check_patch(
+    col_shape: tuple[int, ...], col_dtype: Any, shape: tuple[int, ...], axis: int, key: str
+) -> None:
+    """Whether a patch of ``col_shape`` fits a value of ``shape`` (raises if not), abstractly:
+    no program; each combination checked once (a warm call pays a lookup, not a trace)."""
+    col = jax.ShapeDtypeStruct(col_shape, col_dtype)
     jax.eval_shape(lambda c: position_mask(c, shape, axis, key), col)
 
 
