@@ -110,12 +110,24 @@ def test_capturing_in_a_loop_does_not_grow():
         return run
 
     loop(50)()
-    # Measured, in successive windows of 100 rounds after the warm-up: 8, 5, 2, 1 KiB alone, up
-    # to 15 KiB within the full suite (bounded caches settling), not growing with the rounds.
-    # One leaked array per round would add over 100 live blocks and 20 KiB.
-    mem, blocks = growth(loop(100), warmup=loop(150))
-    assert mem < 32 * 1024, mem
-    assert blocks < 100, blocks
+    # Measured, in successive windows of 100 rounds after the warm-up (Python 3.12): 11, 5, 3, 2,
+    # 1 KiB and 1655, 10989, 110, 60, 1 live blocks: bounded caches (Flax's graph caches, JAX's)
+    # fill and settle at their own pace, so one window may exceed the bound. A leak grows in every
+    # window: one leaked array per round adds over 200 live blocks and 140 KiB to each (measured).
+    # So the bound must hold in one of up to five successive windows.
+    windows = []
+    tracemalloc.start()
+    try:
+        loop(150)()
+        for _ in range(5):
+            mem, blocks = growth(loop(100))
+            windows.append((mem, blocks))
+            if mem < 32 * 1024 and blocks < 100:
+                break
+        else:
+            raise AssertionError(f"grew in every window of 100 rounds (bytes, blocks): {windows}")
+    finally:
+        tracemalloc.stop()
     assert_clean(model)
 
 
