@@ -693,3 +693,31 @@ def test_a_second_method_of_a_module_counts_no_parameters_of_its_own(framework):
     assert s.totals.params == 144
     assert sum(r.params for r in s.rows if r.depth == 1) == s.totals.params
     assert "(in attn)" in str(s)
+
+
+def test_a_model_that_returns_names_beside_arrays():
+    """Strings, ints and ``None`` in a model's output are listed; a ``jit`` could not return
+    them, so the traced program leaves them out, and FLOPs count only the arrays' work."""
+    import equinox as eqx
+
+    class Named(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return {"out": self.lin(x), "name": "lin", "step": 3, "aux": None}
+
+    class EqxNamed(eqx.Module):
+        lin: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.lin(x), ("a", "b")
+
+    plain = hx.summary(nnx.Linear(3, 4, rngs=nnx.Rngs(0)), "f32[2,3]")
+    s = hx.summary(Named(nnx.Rngs(0)), "f32[2,3]")
+    assert s.rows[0].outputs == ("name: 'lin'", "out: f32[2,4]", "step: 3")
+    assert [r.key for r in s.rows] == ["", "lin"]
+    assert s.totals.flops == plain.totals.flops
+    e = hx.summary(EqxNamed(eqx.nn.Linear(3, 4, key=jax.random.key(0))), "f32[3]")
+    assert e.rows[0].outputs == ("0: f32[4]", "1/0: 'a'", "1/1: 'b'")
+    assert e.totals.params == 16

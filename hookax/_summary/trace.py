@@ -21,6 +21,7 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import jax
+import numpy as np
 
 from .._engine import context as _context
 from .._engine import dispatch as _dispatch
@@ -334,15 +335,26 @@ def root_call(module: Any, method: str, call: Any, args: tuple, kwargs: dict, ad
     return _dispatch.call(fn, method, module, args, kwargs, adapter)
 
 
+def _is_value(v: Any) -> bool:
+    return isinstance(v, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
+
+
 def trace_whole(
     fn: Callable[..., Any], args: tuple[Any, ...], site: Callable[..., Site | None]
 ) -> Whole:
-    """Trace ``fn(*args)`` (abstract arguments) with the recorder on; the :class:`Whole`."""
+    """Trace ``fn(*args)`` (abstract arguments) with the recorder on; the :class:`Whole`.
+
+    Outputs that are no JAX values (a string, a name) are left out of the traced program's
+    result: a summary lists what a model computes, and a ``jit`` cannot return them."""
+
+    def values(*a: Any) -> Any:
+        return jax.tree.map(lambda v: v if _is_value(v) else None, fn(*a))
+
     recorder = Recorder(site)
     with intercept(recorder):
-        traced = jax.jit(fn).trace(*args)
+        traced = jax.jit(values).trace(*args)
     inputs = sum(cost.nbytes(x) for x in args[1])
-    return Whole(fn, args, traced, recorder.records, inputs)
+    return Whole(values, args, traced, recorder.records, inputs)
 
 
 # ---------------------------------------------------------------------------------------------
