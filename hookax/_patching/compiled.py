@@ -145,7 +145,7 @@ def split(tree: Any, *, ints: bool = False) -> tuple[list[Any], Static]:
     elsewhere) and the hashable rest. ``ints``: a function's Python ints are lifted too (at
     the level :func:`retrying` allows)."""
     level = _LEVEL.get() if ints else min(_LEVEL.get(), lift.ARRAYS)
-    leaves, treedef = jax.tree.flatten(nnxsplit.lift(tree))  # NNX modules: split state
+    leaves, treedef = nnxsplit.lift_flat(tree)  # NNX modules: split state
     dyn: list[Any] = []
     rest: list[Any] = []
     for x in leaves:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import weakref
 from typing import Any
 
 import jax
 
-__all__ = ["Split", "is_module", "lift", "lower"]
+__all__ = ["Split", "is_module", "lift", "lift_flat", "lower"]
 
 
 @jax.tree_util.register_static
@@ -55,29 +56,49 @@ def is_module(x: Any) -> bool:
     return nnx is not None and isinstance(x, nnx.Module)
 
 
+# module type -> whether JAX takes its instances as leaves (pytree registration is per type)
+_NO_PYTREE: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
 def _no_pytree(x: Any) -> bool:
     """Whether ``x`` is an NNX module that JAX takes as a leaf (``pytree=False``)."""
     if not is_module(x):
         return False
-    one_level = jax.tree.structure(x, is_leaf=lambda y: y is not x)
-    return jax.tree_util.treedef_is_leaf(one_level)
+    kind = type(x)
+    leaf = _NO_PYTREE.get(kind)
+    if leaf is None:
+        one_level = jax.tree.structure(x, is_leaf=lambda y: y is not x)
+        leaf = _NO_PYTREE[kind] = jax.tree_util.treedef_is_leaf(one_level)
+    return leaf
 
 
 def lift(tree: Any) -> Any:
     """``tree`` with its NNX modules that are no pytrees split out (a :class:`Split`), or
     ``tree`` itself when it holds none."""
+    return _lift(tree)[0]
+
+
+def lift_flat(tree: Any) -> tuple[list[Any], Any]:
+    """``jax.tree.flatten(lift(tree))``, flattening ``tree`` once where it holds no module to
+    split (a model's pytree flattens in milliseconds: a grid's warm call flattens it twice)."""
+    lifted, flat = _lift(tree)
+    return flat if flat is not None else jax.tree.flatten(lifted)
+
+
+def _lift(tree: Any) -> tuple[Any, tuple[list[Any], Any] | None]:
+    """:func:`lift`'s result and, where it is ``tree`` itself, its flattening if one was made."""
     if "flax.nnx" not in sys.modules:
-        return tree
+        return tree, None
     leaves, treedef = jax.tree.flatten(tree, is_leaf=_no_pytree)
     modules = [x for x in leaves if _no_pytree(x)]
     if not modules:
-        return tree
+        return tree, (leaves, treedef)  # no leaf was a module: JAX's own flattening
     from flax import nnx
 
     graphdef, state = nnx.split(tuple(modules))
     slots = iter(range(len(modules)))
     marked = [_Slot(next(slots)) if _no_pytree(x) else x for x in leaves]
-    return Split(jax.tree.unflatten(treedef, marked), state, graphdef)
+    return Split(jax.tree.unflatten(treedef, marked), state, graphdef), None
 
 
 def lower(tree: Any) -> Any:
