@@ -211,8 +211,9 @@ class Plan:
         _alike(clean_args, corrupt_args, who)
         self.keys, self.shapes = [], {}
         self.plain = False
+        self.dyn, self.rest = compiled.split((fn, corrupt_args))
         if where is not None:
-            found = targets.discover(fn, corrupt_args)
+            found = targets.discover(fn, corrupt_args, (self.dyn, self.rest))
             self.keys = targets.where_keys(where, fn, corrupt_args, found, who)
             self.shapes = {k: targets.out_spec(k, found, who) for k in self.keys}
         op_shapes = {} if ops is None else discover_ops(fn, corrupt_args, ops, who)
@@ -228,7 +229,6 @@ class Plan:
         if heads is not None:
             self.n_heads = check_heads(heads, self.shapes, axis, self.cols, who)
         self.clean_dyn, self.clean_rest = compiled.split((fn, clean_args))
-        self.dyn, self.rest = compiled.split((fn, corrupt_args))
         self.mdyn, self.metric = compiled.split(metric, ints=True)
 
     @functools.cached_property
