@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 import hookax as hx
+from hookax._patching import compiled, targets
 from hookax._patching import grid as grid_module
-from hookax._patching import targets
 
 from .test_new_data import compiles
 
@@ -154,7 +154,7 @@ def test_plain_targets_give_what_capture_gives(monkeypatch):
 
 def test_targets_inside_a_transform_are_captured():
     model = Net(vmapped=True)
-    found = targets.discover(model, (CORRUPT,))
+    found = targets.discover(*compiled.split((model, (CORRUPT,))))
     assert found.nested == {"split", "join", "b"}
     plan = grid_module.Plan("t", model, (CLEAN,), (CORRUPT,), metric, "split", "each", 1)
     assert not plan.plain

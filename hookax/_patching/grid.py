@@ -213,7 +213,7 @@ class Plan:
         self.plain = False
         self.dyn, self.rest = compiled.split((fn, corrupt_args))
         if where is not None:
-            found = targets.discover(fn, corrupt_args, (self.dyn, self.rest))
+            found = targets.discover(self.dyn, self.rest)
             self.keys = targets.where_keys(where, fn, corrupt_args, found, who)
             self.shapes = {k: targets.out_spec(k, found, who) for k in self.keys}
         op_shapes = {} if ops is None else discover_ops(fn, corrupt_args, ops, who)

@@ -120,11 +120,10 @@ def selector(keys: list[str]) -> Any:
     return sel
 
 
-def discover(fn: Any, args: tuple[Any, ...], split: Any = None) -> Found:
+def discover(dyn: list[Any], rest: Any) -> Found:
     """``{key: [output ShapeDtypeStruct per call]}`` of every call site ``fn(*args)`` runs,
-    keys in the order of their first call (found abstractly; cached by structure and shapes).
-    ``split``: ``compiled.split((fn, args))`` where the caller made it."""
-    dyn, rest = compiled.split((fn, args)) if split is None else split
+    keys in the order of their first call (found abstractly; cached by structure and shapes);
+    ``dyn, rest = compiled.split((fn, args))``, which the caller also compiles with."""
     cache_key = (rest, compiled.avals(dyn))
     hit = _SHAPES.get(cache_key)
     if hit is not None:

@@ -21,7 +21,6 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any
 
 import jax
-import numpy as np
 
 from .._engine import context as _context
 from .._engine import dispatch as _dispatch
@@ -335,10 +334,6 @@ def root_call(module: Any, method: str, call: Any, args: tuple, kwargs: dict, ad
     return _dispatch.call(fn, method, module, args, kwargs, adapter)
 
 
-def _is_value(v: Any) -> bool:
-    return isinstance(v, (jax.Array, np.ndarray, np.generic, int, float, complex, bool))
-
-
 def trace_whole(
     fn: Callable[..., Any], args: tuple[Any, ...], site: Callable[..., Site | None]
 ) -> Whole:
@@ -348,7 +343,8 @@ def trace_whole(
     result: a summary lists what a model computes, and a ``jit`` cannot return them."""
 
     def values(*a: Any) -> Any:
-        return jax.tree.map(lambda v: v if _is_value(v) else None, fn(*a))
+        keep = lambda v: _is_array(v) or isinstance(v, int | float | complex)  # noqa: E731
+        return jax.tree.map(lambda v: v if keep(v) else None, fn(*a))
 
     recorder = Recorder(site)
     with intercept(recorder):

@@ -75,30 +75,27 @@ def _no_pytree(x: Any) -> bool:
 def lift(tree: Any) -> Any:
     """``tree`` with its NNX modules that are no pytrees split out (a :class:`Split`), or
     ``tree`` itself when it holds none."""
-    return _lift(tree)[0]
-
-
-def lift_flat(tree: Any) -> tuple[list[Any], Any]:
-    """``jax.tree.flatten(lift(tree))``, flattening ``tree`` once where it holds no module to
-    split (a model's pytree flattens in milliseconds: a grid's warm call flattens it twice)."""
-    lifted, flat = _lift(tree)
-    return flat if flat is not None else jax.tree.flatten(lifted)
-
-
-def _lift(tree: Any) -> tuple[Any, tuple[list[Any], Any] | None]:
-    """:func:`lift`'s result and, where it is ``tree`` itself, its flattening if one was made."""
     if "flax.nnx" not in sys.modules:
-        return tree, None
+        return tree
     leaves, treedef = jax.tree.flatten(tree, is_leaf=_no_pytree)
     modules = [x for x in leaves if _no_pytree(x)]
     if not modules:
-        return tree, (leaves, treedef)  # no leaf was a module: JAX's own flattening
+        return tree
     from flax import nnx
 
     graphdef, state = nnx.split(tuple(modules))
     slots = iter(range(len(modules)))
     marked = [_Slot(next(slots)) if _no_pytree(x) else x for x in leaves]
-    return Split(jax.tree.unflatten(treedef, marked), state, graphdef), None
+    return Split(jax.tree.unflatten(treedef, marked), state, graphdef)
+
+
+def lift_flat(tree: Any) -> tuple[list[Any], Any]:
+    """``jax.tree.flatten(lift(tree))``, flattening ``tree`` once where no module in it needs a
+    split (the usual case: a model's pytree takes milliseconds to flatten)."""
+    leaves, treedef = jax.tree.flatten(tree, is_leaf=_no_pytree)
+    if any(_no_pytree(x) for x in leaves):
+        return jax.tree.flatten(lift(tree))
+    return leaves, treedef
 
 
 def lower(tree: Any) -> Any:
