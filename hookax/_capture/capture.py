@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -34,8 +34,9 @@ from .._hooks import layergate as _layergate
 from .._transforms import tagrules as _tagrules
 from .._transforms import tags as _tags
 from .._util.errors import HookaxError
-from .._util.fnkey import FnKey
+from .._util.fnkey import FnKey, reachable
 from .._util.parts import with_axes
+from ..frameworks._functions import as_program
 from . import jitted as _jitted
 from . import ops as _ops
 
@@ -465,6 +466,7 @@ def capture(
       >>> bool(jnp.isnan(acts[""][0][5:]).all())
       True
     """
+    fn = as_program(fn)  # a program without modules: its own call sites
     if not callable(fn):
         raise HookaxError(
             f"hx.capture expects a module or a function that calls modules, got {fn!r} of "
@@ -528,23 +530,4 @@ def _by_value(where: Any) -> bool:
     return isinstance(where, tuple | list) and all(_by_value(w) for w in where)
 
 
-def roots(fn: Any) -> Iterator[Any]:
-    """Objects the function reaches besides its arguments: itself, bound self, partial args."""
-    seen = 0
-    while seen < 8:
-        seen += 1
-        yield fn
-        if isinstance(fn, functools.partial):
-            yield fn.args
-            yield fn.keywords
-            fn = fn.func
-        elif hasattr(fn, "__self__"):
-            yield fn.__self__
-            fn = getattr(fn, "__func__", None)
-        else:
-            break
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            yield cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
+roots = reachable  # objects a function reaches besides its arguments

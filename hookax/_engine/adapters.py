@@ -45,6 +45,8 @@ _FRAMEWORKS: tuple[tuple[str, str, str], ...] = (
     ("nnx", "flax.nnx", "_nnx"),
     ("linen", "flax.linen", "_linen"),
     ("equinox", "equinox", "_equinox"),
+    # Programs without modules: their functions' calls and named scopes (jax is always there).
+    ("functions", "jax", "_functions"),
 )
 
 
