@@ -95,10 +95,11 @@ class CallInfo:
 
     Compared by identity: a marker's parameter, hashable without hashing the user's values."""
 
-    __slots__ = ("in_leaves", "in_tree", "name", "out_leaves", "out_tree")
+    __slots__ = ("in_leaves", "in_tree", "local", "name", "out_leaves", "out_tree")
 
-    def __init__(self, name: str, in_tree: Any, in_leaves: list[Any]) -> None:
+    def __init__(self, name: str, in_tree: Any, in_leaves: list[Any], local: bool = False) -> None:
         self.name = name
+        self.local = local  # a function defined inside another (a scan body, a closure)
         # Leaves: the marker's n-th input/output (an int) or a static Python value (_Static).
         self.in_tree = in_tree
         self.in_leaves = in_leaves
@@ -274,7 +275,8 @@ class _Recorder:
                 name, skip_self = _call_name(frame, code)
                 args = _call_args(frame, code, skip_self)
                 treedef, spec, dyn = _split(args)
-                info = CallInfo(name, treedef, spec)
+                local = "<locals>" in getattr(code, "co_qualname", "")
+                info = CallInfo(name, treedef, spec, local)
                 site_p.bind(*dyn, kind="enter", info=info)
             except Exception as e:
                 self.failed = self.failed or e
@@ -392,7 +394,8 @@ def _live_outs(jaxpr: Any, top: list[Region]) -> None:
 
 
 def _prune(rs: list[Region]) -> list[Region]:
-    """Regions without values in or out are no call sites: their children take their place."""
+    """Regions without values in or out, and local functions that only call another, are no
+    call sites: their children take their place."""
     out: list[Region] = []
     for r in rs:
         r.children = _prune(r.children)
@@ -401,6 +404,11 @@ def _prune(rs: list[Region]) -> list[Region]:
             empty = not any(isinstance(s, int) for s in r.info.in_leaves) and not any(
                 isinstance(s, int) for s in r.info.out_leaves
             )
+            # A local function that only calls another (``def body(x, w): return block(x, w),
+            # None`` given to ``lax.scan``) passes its call site through: the other is the site.
+            if r.info.local and len(r.children) == 1:
+                c = r.children[0]
+                empty = empty or (c.start == r.start + 1 and c.end == r.end - 1)
         else:
             empty = not r.outs
         if empty:
