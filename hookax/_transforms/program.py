@@ -56,6 +56,7 @@ from .._util.jaxcompat import (
     mlir,
     scan_counts,
 )
+from .._util.jaxcompat import source_info_util as siu
 
 __all__ = ["Program", "Site", "discover", "site_p"]
 
@@ -202,15 +203,24 @@ _USER: dict[types.CodeType, bool] = {}
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
 
 
+def _library(code: types.CodeType, module: str | None) -> bool:
+    """Whether ``code`` is a library's (JAX, NumPy, the standard library, ...): not the user's."""
+    file = code.co_filename
+    if file.startswith("<frozen"):  # the standard library's frozen modules
+        return True
+    if file.startswith("<"):  # typed or run as text: a doctest, a REPL, exec, python -c
+        return False
+    top = (module or "").partition(".")[0]
+    return top in _LIBRARIES or top in _STDLIB
+
+
 def _is_user(code: types.CodeType, module: str | None) -> bool:
+    """Whether a call of ``code`` is a call site: a named function of the user's."""
     hit = _USER.get(code)
     if hit is None:
-        top = (module or "").partition(".")[0]
         name = code.co_name
         hit = not (
-            top in _LIBRARIES
-            or top in _STDLIB
-            or code.co_filename.startswith("<")
+            _library(code, module)
             or name in _NOT_CALLS
             or code.co_flags & _GENERATOR
             or (name.startswith("__") and name.endswith("__") and name != "__call__")
@@ -263,6 +273,9 @@ class _Recorder:
     def __call__(self, frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             code = frame.f_code
+            if code is _ENTER_SCOPE:
+                _note_scope(frame)
+                return
             if code.co_filename.startswith(_FRAMEWORKS_DIR):
                 self.modules = True
                 return
@@ -294,6 +307,34 @@ class _Recorder:
 
 import os as _os  # noqa: E402
 
+_ENTER_SCOPE = siu.ExtendNameStackContextManager.__enter__.__code__
+# Named scopes the user's code opened (``jax.named_scope`` in a ``with`` or as a decorator,
+# ``jax.named_call``); JAX's own (``jnp.einsum`` names its equations by their subscripts) are
+# no call sites.
+_USER_SCOPES: set[str] = set()
+
+
+def _note_scope(frame: Any) -> None:
+    caller = frame.f_back
+    name = getattr(frame.f_locals.get("self"), "name", None)
+    if caller is None or not isinstance(name, str):
+        return
+    code = caller.f_code
+    if code.co_name == "wrapper" and code.co_filename == _SIU_FILE:
+        func = caller.f_locals.get("func")
+        code = getattr(func, "__code__", None)
+        if code is None:
+            return
+        user = not _library(code, getattr(func, "__module__", None))
+    else:
+        user = not _library(code, caller.f_globals.get("__name__"))
+    if user:
+        if len(_USER_SCOPES) > 10_000:
+            _USER_SCOPES.clear()
+        _USER_SCOPES.add(name)
+
+
+_SIU_FILE = siu.__file__
 _FRAMEWORKS_DIR = _os.path.join(_os.path.dirname(_os.path.dirname(__file__)), "frameworks")
 
 
@@ -315,7 +356,12 @@ class Region:
 
 
 def _scopes(eqn: Any) -> tuple[str, ...]:
-    return tuple(s.name for s in eqn.source_info.name_stack.stack if type(s).__name__ == "Scope")
+    """The named scopes the user opened, of an equation's name stack."""
+    return tuple(
+        s.name
+        for s in eqn.source_info.name_stack.stack
+        if type(s).__name__ == "Scope" and s.name in _USER_SCOPES
+    )
 
 
 _REGIONS: dict[int, tuple[Any, list[Region]]] = {}

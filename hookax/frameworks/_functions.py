@@ -187,3 +187,40 @@ class _ProgramFn:
         if _mentions_module(self.fn, args, kwargs):
             return None
         return program_of(self.fn, args, kwargs)
+
+
+def program(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, with the call sites of a program without modules visible to hookax's blocks.
+
+    A JAX program written as functions over a weight pytree calls no module, so its call sites
+    are the calls of its own Python functions and its ``jax.named_scope`` blocks (see "Models
+    without modules" in the docs). The functions that take ``fn`` (``hx.capture``,
+    ``hx.value_and_grad``, ``hx.patch_grid``, ...) find them by themselves; a block
+    (``hx.intercept``, ``hx.hooks``, ``hx.intercept_op``, ``hx.patching``) sees only what is
+    called inside it, so the program is called through ``hx.program(fn)`` there. A function
+    that calls modules is returned as it is.
+
+    Args:
+      fn: the program: a function of arrays and pytrees of arrays (other arguments are static).
+
+    Returns:
+      A function with ``fn``'s signature and results.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp
+      >>> import hookax as hx
+      >>> def layer(x, w):
+      ...     return jnp.tanh(x @ w)
+      >>> def forward(ws, x):
+      ...     for w in ws:
+      ...         x = layer(x, w)
+      ...     return x
+      >>> ws = [jnp.eye(2), 2 * jnp.eye(2)]
+      >>> def double(next_fun, args, kwargs, ctx):
+      ...     return 2 * next_fun(*args, **kwargs)
+      >>> with hx.intercept(double, where="layer/1"):
+      ...     y = hx.program(forward)(ws, jnp.ones(2))
+      >>> bool(jnp.allclose(y, 2 * jnp.tanh(2 * jnp.tanh(jnp.ones(2)))))
+      True
+    """
+    return as_program(fn)
