@@ -538,6 +538,7 @@ class Program:
     out_tree: Any
     paths: dict[tuple[Any, ...], Site]  # location of a region -> its site
     root: Site
+    compiled: Any = None  # its evaluation under jax.jit, for a jitted program (made on demand)
 
     def sites(self) -> list[Site]:
         return list(self.paths.values())

@@ -120,6 +120,40 @@ def program_of(fn: Any, args: tuple, kwargs: dict) -> _program.Program | None:
     return prog
 
 
+def _jitted(fn: Any) -> bool:
+    """Whether ``fn`` is a ``jax.jit`` function (or a partial of one)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return hasattr(fn, "lower") and hasattr(fn, "eval_shape")
+
+
+def _tracing(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(x, core.Tracer) for x in jax.tree.leaves((args, kwargs)))
+
+
+def _compiled(prog: _program.Program) -> Callable[..., Any]:
+    """``(args, kwargs) -> output``: the program's evaluation under ``jax.jit`` (its static
+    leaves closed over), made once per program."""
+    hit = prog.compiled
+    if hit is None:
+        spec = prog.in_spec
+        treedef = prog.in_tree
+
+        def run(dyn: list[Any]) -> Any:
+            leaves = [dyn[s] if isinstance(s, int) else s.value for s in spec]
+            args, kwargs = jax.tree.unflatten(treedef, leaves)
+            return _program.Evaluator(prog, ADAPTER).run(args, kwargs)
+
+        jitted = jax.jit(run)
+
+        def hit(args: tuple, kwargs: dict) -> Any:
+            leaves = jax.tree.leaves((args, kwargs))
+            return jitted([x for x, s in zip(leaves, spec, strict=True) if isinstance(s, int)])
+
+        prog.compiled = hit
+    return hit
+
+
 def _mentions_module(fn: Any, args: tuple, kwargs: dict) -> bool:
     """Whether a framework's module is plainly among ``fn`` (itself, its bound ``self``, a
     partial's arguments, its closure) or the top levels of the arguments."""
@@ -180,6 +214,10 @@ class _ProgramFn:
         prog = program_of(fn, args, kwargs)
         if prog is None:
             return fn(*args, **kwargs)
+        if _jitted(fn) and not _tracing(args, kwargs):
+            # A jitted program stays compiled: its evaluation is jitted in turn (hookax's active
+            # hooks are part of the jit cache key, as for any function).
+            return _compiled(prog)(args, kwargs)
         return _program.Evaluator(prog, ADAPTER).run(args, kwargs)
 
     def program(self, *args: Any, **kwargs: Any) -> _program.Program | None:
