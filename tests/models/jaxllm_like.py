@@ -121,6 +121,11 @@ class Weights:
         )
 
 
+def init_weights(key: jax.Array, cfg: Config) -> Weights:
+    """``Weights.init`` compiled (the config, a pytree without leaves, is part of the trace)."""
+    return jax.jit(Weights.init)(key, cfg)
+
+
 def stack_layers(weights: Weights) -> Weights:
     """The same weights with the layers stacked on a leading axis (``forward_scan``'s input)."""
     stacked = jax.tree.map(lambda *a: jnp.stack(a), *weights.layers)
@@ -241,7 +246,7 @@ def update_slice(x: jax.Array, y: jax.Array, pos: jax.Array, update_axis: int) -
     return jax.lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), pos, axis=update_axis)
 
 
-def _attention_inputs(
+def ref_attention_inputs(
     x: jax.Array,
     segment_ids: jax.Array,
     layer: Layer,
@@ -339,7 +344,9 @@ def forward_layer(
     x = x.astype(cfg.dtype)
     with jax.named_scope("attn_pre_norm"):
         attn_in = rms_norm(x, layer.attn_pre_gamma, cfg.norm_eps)
-    attn_out, cache_updates = attention_block(attn_in, segment_ids, layer, sin, cos, cfg, cache, idx)
+    attn_out, cache_updates = attention_block(
+        attn_in, segment_ids, layer, sin, cos, cfg, cache, idx
+    )
     with jax.named_scope("residual"):
         x = x + attn_out.astype(cfg.dtype)
     with jax.named_scope("attn_post_norm"):
@@ -351,7 +358,7 @@ def forward_layer(
     return x, cache_updates
 
 
-def _embed_and_positions(
+def ref_embed_and_positions(
     x: jax.Array, segment_ids: jax.Array, weights: Weights, cfg: Config, cache: KVCache | None
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Not a part of the model (the references' copy of ``forward``'s first lines)."""
@@ -486,12 +493,12 @@ def ref_forward(
     ``i`` before its projection. Returns ``(logits, cache or per-layer keys/values, Trace)``.
     Works on the layer list (``forward``'s weights)."""
     rec = Trace()
-    h, sin, cos = _embed_and_positions(x, segment_ids, weights, cfg, cache)
+    h, sin, cos = ref_embed_and_positions(x, segment_ids, weights, cfg, cache)
     updates = []
     for i, layer in enumerate(weights.layers):
         rec.ins.append(h)
         attn_in = rms_norm(h, layer.attn_pre_gamma, cfg.norm_eps)
-        q, k, v, q_seg, kv_seg, q_off = _attention_inputs(
+        q, k, v, q_seg, kv_seg, q_off = ref_attention_inputs(
             attn_in, segment_ids, layer, sin, cos, cfg, cache, i
         )
         b, qh, t, d = q.shape
@@ -558,10 +565,16 @@ def _at(n: int, axis: int, ndim: int, index: jax.Array) -> jax.Array:
     return (jnp.arange(n) == index).reshape(shape)
 
 
-def _ref_trace(tokens: jax.Array, weights: Weights, cfg: Config) -> Trace:
-    """The clean run's ``Trace`` (residuals, inputs, heads, probabilities), compiled."""
-    fields = jax.jit(lambda t, w: dataclasses.astuple(ref_forward(t, segments(t), w, cfg)[2]))
-    return Trace(*fields(tokens, weights))
+@jax.jit
+def _ref_run(tokens: jax.Array, weights: Weights, cfg: Config) -> Any:
+    logits, updates, rec = ref_forward(tokens, segments(tokens), weights, cfg)
+    return logits, updates, dataclasses.astuple(rec)
+
+
+def ref_run(tokens: jax.Array, weights: Weights, cfg: Config) -> tuple[jax.Array, Any, Trace]:
+    """``ref_forward`` without edits, compiled once: ``(logits, keys/values, Trace)``."""
+    logits, updates, fields = _ref_run(tokens, weights, cfg)
+    return logits, updates, Trace(*fields)
 
 
 def ref_layer_grid(
@@ -569,7 +582,7 @@ def ref_layer_grid(
 ) -> jax.Array:
     """``[layer, position]``: ``metric`` of the corrupted run with the residual stream after that
     layer, at that position, replaced by the clean run's."""
-    rec = _ref_trace(clean, weights, cfg)
+    rec = ref_run(clean, weights, cfg)[2]
     seq = clean.shape[1]
 
     @jax.jit
@@ -588,7 +601,7 @@ def ref_head_grid(weights: Weights, cfg: Config, clean: jax.Array, corrupt: jax.
     """``[layer, head, position]``: ``metric`` of the corrupted run with one head's attention
     output (``[B, head, T, head_dim]``, entering the projection) at one position replaced by
     the clean run's."""
-    rec = _ref_trace(clean, weights, cfg)
+    rec = ref_run(clean, weights, cfg)[2]
     seq = clean.shape[1]
 
     @jax.jit
@@ -602,8 +615,10 @@ def ref_head_grid(weights: Weights, cfg: Config, clean: jax.Array, corrupt: jax.
 
     return jnp.array(
         [
-            [[one(jnp.int32(i), jnp.int32(h), jnp.int32(p)) for p in range(seq)]
-             for h in range(cfg.q_heads)]
+            [
+                [one(jnp.int32(i), jnp.int32(h), jnp.int32(p)) for p in range(seq)]
+                for h in range(cfg.q_heads)
+            ]
             for i in range(cfg.num_layers)
         ]
     )
