@@ -58,7 +58,7 @@ from .._util.jaxcompat import (
 )
 from .._util.jaxcompat import source_info_util as siu
 
-__all__ = ["Program", "Site", "discover", "site_p"]
+__all__ = ["DISCOVERING", "Program", "Site", "discover", "site_p"]
 
 # ---------------------------------------------------------------------------------------------
 # The marker primitive: the identity, with a kind ("enter"/"exit") and the call's description.
@@ -557,7 +557,7 @@ def discover(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program | Non
 
     rec = _Recorder(_root_code(fn))
     previous = sys.getprofile()
-    with _context.ACTIVE(_DISCOVERING):
+    with _context.ACTIVE(DISCOVERING):
         sys.setprofile(rec)
         try:
             closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*dyn)
@@ -591,7 +591,7 @@ class _Discovering:
         return isinstance(other, _Discovering)
 
 
-_DISCOVERING = (_Discovering(),)
+DISCOVERING = (_Discovering(),)
 
 
 def _root_code(fn: Any) -> types.CodeType | None:

@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._engine.context import _ACTIVE_VALUE as _ACTIVE
 from .._transforms import program as _program
 from .._util.fnkey import FnKey, reachable
 from .._util.jaxcompat import core
@@ -91,8 +92,12 @@ def _leaf_key(x: Any) -> Any:
 
 
 def _cache_key(fn: Any, args: tuple, kwargs: dict) -> Any:
+    from .._util.jaxcompat import config
+
     leaves, treedef = jax.tree.flatten((args, kwargs))
-    return (FnKey(fn), treedef, tuple(_leaf_key(x) for x in leaves))
+    # softmax as one operation (while ops= is active) changes the traced program
+    flags = (config.softmax_custom_jvp.value,)
+    return (FnKey(fn), treedef, tuple(_leaf_key(x) for x in leaves), flags)
 
 
 def _holds_tracer(closed: Any) -> bool:
@@ -209,6 +214,11 @@ class _ProgramFn:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fn = self.fn
+        entries = _ACTIVE.value
+        if not entries or entries == _program.DISCOVERING:
+            # Nothing of hookax's is active (the program as it is, at no cost), or an enclosing
+            # program is being traced for its call sites (they are seen there).
+            return fn(*args, **kwargs)
         if _mentions_module(fn, args, kwargs):
             return fn(*args, **kwargs)
         prog = program_of(fn, args, kwargs)

@@ -210,13 +210,13 @@ def test_activation_gradients(case: types.SimpleNamespace, grads: types.SimpleNa
 
 def test_steering_forward_with_a_hook(case: types.SimpleNamespace) -> None:
     """A forward hook on ``forward_layer/1`` adding a vector to its residual output, under
-    ``jax.jit`` (``forward`` traced before the hook existed), equals the forward with that
-    addition written in; after the block the jitted forward is the plain one again."""
+    ``jax.jit`` of ``hx.program(forward)`` (traced before the hook existed), equals the forward
+    with that addition written in; after the block the jitted forward is the plain one again."""
     v = steering_vector()
     ref = jax.jit(lambda args: jl.ref_forward(*args, edit=steer_layer_1(v))[0])
     want = ref(case.clean_args)
     assert mc.maxdiff(want, case.logits) > 1e-2  # the edit changes the output
-    jitted = jax.jit(jl.forward)
+    jitted = jax.jit(hx.program(jl.forward))
     close(jitted(*case.clean_args)[0], case.logits)  # traced before the hook exists
 
     def hook(_: Any, args: Any, out: Any) -> Any:
@@ -229,12 +229,17 @@ def test_steering_forward_with_a_hook(case: types.SimpleNamespace) -> None:
     mc.record(NAME, "steering (hx.hooks) forward", f"{d:.1e}")
 
 
-def test_steering_inside_the_models_own_decode_loop(case: types.SimpleNamespace) -> None:
+def test_steering_inside_the_models_own_decode_loop(
+    case: types.SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``generate`` (``prefill``'s ``jax.jit(forward)`` with the cache donated, then the jitted
     ``decode_step`` in a Python loop) with layer 1's residual steered in every call by an
     interceptor gives the tokens of the loop steered by hand (``ref_generate``); before and
     after the block it gives the plain tokens (``decode_step``'s plain trace is not reused
-    inside the block, nor the steered one after it)."""
+    inside the block, nor the steered one after it). The codebase's ``forward`` is made
+    hookable once, where it is defined (``module.forward = hx.program(module.forward)``), as
+    the docs show: its own ``prefill`` and ``decode_step`` then call it."""
+    monkeypatch.setattr(jl, "forward", hx.program(jl.forward))
     v = steering_vector()
     steps = 4
     plain = jl.generate(case.clean, case.weights, CFG, steps)
