@@ -277,8 +277,13 @@ def test_statistics_in_a_jitted_step() -> None:
     step = jax.jit(hx.value_grad_and_stats(loss, where="forward/block/*/mlp"))
     value, grads, stats = step(W, X)
     close(value, loss(W, X))
+    jax.tree.map(close, grads, jax.grad(loss)(W, X))
     _, vals = hand(X)
     assert set(stats) == {f"forward/block/{i}/mlp" for i in range(L)}
+    for i in range(L):
+        act = stats[f"forward/block/{i}/mlp"]["act"]
+        close(act["norm"], jnp.linalg.norm(vals[f"block/{i}/mlp"]))
+        close(act["max_abs"], jnp.abs(vals[f"block/{i}/mlp"]).max())
 
 
 # ---------------------------------------------------------------------------------------------
