@@ -304,3 +304,97 @@ def test_a_program_is_idle_without_hookax() -> None:
     """``hx.program(f)`` outside hookax's blocks is ``f``: the same values, the same jaxpr."""
     p = hx.program(forward)
     assert str(jax.make_jaxpr(p)(W, X)) == str(jax.make_jaxpr(forward)(W, X))
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharding idioms of jax-llm-examples: an Explicit mesh, a function decorated with auto_axes
+
+
+def _explicit_mesh() -> Any:
+    from jax.sharding import AxisType
+
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 (CPU) devices")
+    return jax.make_mesh((2,), ("x",), axis_types=(AxisType.Explicit,), devices=jax.devices()[:2])
+
+
+def _auto_axes_program() -> Any:
+    """``heads``, decorated with ``auto_axes`` (its body runs with the mesh's axes Auto, as
+    jax-llm-examples' ``attention``), called by ``forward`` under an Explicit mesh; ``HEADS`` a
+    hand edit of its output ``[B, H, T, E]``."""
+    from functools import partial
+
+    from jax.sharding import PartitionSpec as P
+    from jax.sharding import auto_axes
+
+    @partial(auto_axes, out_sharding=P("x", None, None, None))
+    def heads(q: jax.Array) -> jax.Array:
+        p = jax.nn.softmax(jnp.einsum("bhte,bhse->bhts", q, q), axis=-1)
+        return jnp.einsum("bhts,bhse->bhte", p, q)
+
+    def forward(w: dict[str, jax.Array], x: jax.Array, edit: Any = None) -> jax.Array:
+        o = heads(jnp.einsum("btd,dhe->bhte", x, w["q"]))
+        o = o if edit is None else edit(o)
+        return jnp.einsum("bhte,hed->btd", o, w["o"])
+
+    return forward
+
+
+def _sharded_case(mesh: Any) -> tuple[dict[str, jax.Array], jax.Array, jax.Array]:
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    w = {
+        "q": jax.random.normal(jax.random.key(0), (D, 2, 3)),
+        "o": jax.random.normal(jax.random.key(1), (2, 3, D)),
+    }
+    x = jax.random.normal(jax.random.key(2), (2, T, D))
+    x = jax.device_put(x, NamedSharding(mesh, P("x")))
+    return w, x, x[:, ::-1]
+
+
+def _metric(y: jax.Array) -> jax.Array:
+    from jax.sharding import PartitionSpec as P
+    from jax.sharding import reshard
+
+    return reshard(y, P())[0, -1].sum()
+
+
+def test_hooks_stats_and_head_patching_inside_an_auto_axes_function() -> None:
+    """Under an Explicit mesh, a function that ``auto_axes`` decorates computes with Auto
+    axes: an interceptor on it, the statistics' probes (gradients) of its output and the
+    patching of one head of it run in its context, and equal the same edits by hand."""
+    mesh = _explicit_mesh()
+    forward = _auto_axes_program()
+    with jax.sharding.set_mesh(mesh):
+        w, x, corrupt = _sharded_case(mesh)
+
+        def double(next_fun: Any, args: tuple, kwargs: dict, ctx: hx.Context) -> Any:
+            return next_fun(*args, **kwargs) * 2
+
+        with hx.intercept(double, where="heads"):
+            got = jax.jit(hx.program(forward))(w, x)
+        close(got, forward(w, x, edit=lambda o: o * 2))
+
+        def loss(w: Any, x: jax.Array) -> jax.Array:
+            return jnp.mean(forward(w, x) ** 2)
+
+        _, _, stats = jax.jit(hx.value_grad_and_stats(loss, where="**", stats=("norm",)))(w, x)
+        want_o: list[Any] = []
+        forward(w, x, edit=lambda o: want_o.append(o) or o)
+        d = jax.grad(lambda e: jnp.mean(forward(w, x, edit=lambda o: o + e) ** 2))(want_o[0] * 0)
+        close(stats["forward/heads"]["act"]["norm"], jnp.linalg.norm(want_o[0]))
+        close(stats["forward/heads"]["grad"]["norm"], jnp.linalg.norm(d))
+
+        grid = hx.patch_grid(forward, (w, x), (w, corrupt), _metric, where="heads", heads=1, axis=2)
+        clean: list[Any] = []
+        forward(w, x, edit=lambda o: clean.append(o) or o)
+        want = np.zeros((1, 2, T))
+        for h in range(2):
+            for t in range(T):
+
+                def patch(o: jax.Array, h: int = h, t: int = t) -> jax.Array:
+                    return o.at[:, h, t].set(clean[0][:, h, t])
+
+                want[0, h, t] = _metric(forward(w, corrupt, edit=patch))
+        close(grid, want, 1e-4)

@@ -25,7 +25,14 @@ import jax.numpy as jnp
 
 from .._capture.ops import intercept_op
 from .._hooks.intercept import intercept
-from .._util.jaxcompat import bind_eqn, closed_parts, core, jaxprs_in_params, mlir
+from .._util.jaxcompat import (
+    bind_eqn,
+    closed_parts,
+    core,
+    jaxprs_in_params,
+    mlir,
+    to_context_mesh,
+)
 from . import targets
 from .heads import patch_mask
 
@@ -112,10 +119,18 @@ def rows(
         after = _dependents(jaxpr, i, v)
 
         def row(
-            col: Any, head: Any, v: Any = v, clean: Any = clean, after: list[int] = after
+            col: Any,
+            head: Any,
+            v: Any = v,
+            clean: Any = clean,
+            after: list[int] = after,
+            ctx: Any = jaxpr.eqns[i].ctx,
         ) -> Any:
-            mask = patch_mask(col, head, v.aval.shape, axis, heads, "")
-            patched = clean if mask is None else jnp.where(mask, clean, env[v])
+            # in the target's mesh context (Auto axes inside an ``auto_axes`` body)
+            with ctx.manager:
+                clean_here = to_context_mesh(clean)
+                mask = patch_mask(col, head, v.aval.shape, axis, heads, "")
+                patched = clean_here if mask is None else jnp.where(mask, clean_here, env[v])
             local = {v: patched}
             for j in after:
                 eqn = jaxpr.eqns[j]

@@ -796,7 +796,10 @@ class Evaluator:
                         env[v] = x
                 return _join(info.out_tree, info.out_leaves, ret)
 
-            out = _dispatch.call(body, "__call__", site, a, k, self.adapter)
+            # The hooks run in the context the call ran in: under ``auto_axes`` (a function it
+            # decorates, or calls) the mesh's axes are Auto there, and the values' types say so.
+            with enter.ctx.manager:
+                out = _dispatch.call(body, "__call__", site, a, k, self.adapter)
             new_out = _leaves_like(info.out_tree, info.out_leaves, out, site)
             for v, x in zip(exit_.invars, new_out, strict=True):
                 if isinstance(v, core.Var):

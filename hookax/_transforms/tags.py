@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._util.errors import HookaxError
-from .._util.jaxcompat import ad, batching, core, mlir, pe
+from .._util.jaxcompat import ad, batching, core, mlir, pe, to_context_mesh
 from .._util.parts import with_axes
 
 __all__ = [
@@ -312,7 +312,7 @@ class Session:
                     f"{self.who}: {spec.what(key)} returned shape {np.shape(x)} while "
                     f"differentiating but {p.shape} when its outputs were measured."
                 )
-            out.append(x + p.astype(x.dtype))
+            out.append(x + to_context_mesh(p.astype(x.dtype)))
         return out
 
 

@@ -207,3 +207,19 @@ def bind_eqn(eqn: Any, invals: list[Any], params: dict[str, Any] | None = None) 
     with eqn_context(eqn):
         out = p.bind(*invals, **p.get_bind_params(eqn.params if params is None else params))
     return list(out) if p.multiple_results else [out]
+
+
+def to_context_mesh(x: Any) -> Any:
+    """``x`` typed for the current mesh context: a value made outside an ``auto_axes`` body
+    (Explicit axes) used inside it (the same axes, Auto), as ``auto_axes`` converts its
+    arguments; ``x`` itself where the meshes agree or there is none."""
+    from jax.sharding import get_abstract_mesh, reshard
+
+    cur = get_abstract_mesh()
+    sharding: Any = getattr(core.typeof(x), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if cur.empty or mesh is None or mesh.empty or mesh == cur:
+        return x
+    if mesh.axis_names != cur.axis_names:
+        return x
+    return reshard(x, core.modify_spec_for_auto_manual(sharding.spec, cur))
