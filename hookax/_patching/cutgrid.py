@@ -30,6 +30,7 @@ from .._util.jaxcompat import (
     closed_parts,
     core,
     jaxprs_in_params,
+    mesh_context,
     mlir,
     to_context_mesh,
 )
@@ -127,7 +128,7 @@ def rows(
             ctx: Any = jaxpr.eqns[i].ctx,
         ) -> Any:
             # in the target's mesh context (Auto axes inside an ``auto_axes`` body)
-            with ctx.manager:
+            with mesh_context(ctx):
                 clean_here = to_context_mesh(clean)
                 mask = patch_mask(col, head, v.aval.shape, axis, heads, "")
                 patched = clean_here if mask is None else jnp.where(mask, clean_here, env[v])

@@ -53,6 +53,7 @@ from .._util.jaxcompat import (
     bind_eqn,
     closed_parts,
     core,
+    mesh_context,
     mlir,
     scan_counts,
 )
@@ -798,7 +799,7 @@ class Evaluator:
 
             # The hooks run in the context the call ran in: under ``auto_axes`` (a function it
             # decorates, or calls) the mesh's axes are Auto there, and the values' types say so.
-            with enter.ctx.manager:
+            with mesh_context(enter.ctx):
                 out = _dispatch.call(body, "__call__", site, a, k, self.adapter)
             new_out = _leaves_like(info.out_tree, info.out_leaves, out, site)
             for v, x in zip(exit_.invars, new_out, strict=True):

@@ -223,3 +223,16 @@ def to_context_mesh(x: Any) -> Any:
     if mesh.axis_names != cur.axis_names:
         return x
     return reshard(x, core.modify_spec_for_auto_manual(sharding.spec, cur))
+
+
+def mesh_context(ctx: Any) -> Any:
+    """The context manager of an equation's context (``eqn.ctx``) where its mesh differs from
+    the current one (inside an ``auto_axes`` body: the same axes, Auto); else none."""
+    import contextlib
+
+    from jax.sharding import get_abstract_mesh
+
+    mesh = getattr(ctx, "cur_abstract_mesh", None)
+    if mesh is None or mesh == get_abstract_mesh():
+        return contextlib.nullcontext()
+    return ctx.manager
