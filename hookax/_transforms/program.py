@@ -356,12 +356,12 @@ class Region:
 
 
 def _scopes(eqn: Any) -> tuple[str, ...]:
-    """The named scopes the user opened, of an equation's name stack."""
-    return tuple(
-        s.name
-        for s in eqn.source_info.name_stack.stack
-        if type(s).__name__ == "Scope" and s.name in _USER_SCOPES
-    )
+    """The named scopes the user opened, of an equation's name stack (none for an equation of a
+    backward pass, ``transpose(...)``: it computes no scope's forward value)."""
+    stack = eqn.source_info.name_stack.stack
+    if any(type(s).__name__ == "Transform" and s.name == "transpose" for s in stack):
+        return ()
+    return tuple(s.name for s in stack if type(s).__name__ == "Scope" and s.name in _USER_SCOPES)
 
 
 _REGIONS: dict[int, tuple[Any, list[Region]]] = {}
@@ -528,6 +528,18 @@ class Site:
         return f"Site({key!r}, {self.kind} {self.name!r})"
 
 
+_SITE_TYPES: dict[str, type[Site]] = {}
+
+
+def _site_type(name: str) -> type[Site]:
+    """A :class:`Site` subclass named ``name`` (the function's name, or ``named_scope``): what
+    tables and messages show as a call site's type, as a module's class name is shown."""
+    cls = _SITE_TYPES.get(name)
+    if cls is None:
+        cls = _SITE_TYPES[name] = type(name, (Site,), {"__module__": __name__})
+    return cls
+
+
 @dataclasses.dataclass
 class Program:
     """A traced program without modules: its jaxpr, how its arguments map to it, its sites."""
@@ -569,7 +581,12 @@ def discover(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program | Non
         raise rec.failed
     jaxpr, _ = closed_parts(closed)
     prog = Program(
-        closed, treedef, spec, jax.tree.structure(out_shape), {}, Site((), "function", _fn_name(fn))
+        closed,
+        treedef,
+        spec,
+        jax.tree.structure(out_shape),
+        {},
+        _site_type(_fn_name(fn))((), "function", _fn_name(fn)),
     )
     _assign_paths(prog, jaxpr, (), ())
     return prog
@@ -654,7 +671,10 @@ def _assign_paths(prog: Program, node: Any, loc: tuple[Any, ...], parent: tuple[
             path: tuple[Any, ...] = (*parent, r.name, i)
         else:
             path = (*parent, r.name)
-        prog.paths[rloc] = Site(path, "function" if r.kind == "call" else "scope", r.name)
+        kind = "function" if r.kind == "call" else "scope"
+        prog.paths[rloc] = _site_type(r.name if kind == "function" else "named_scope")(
+            path, kind, r.name
+        )
         _assign_paths(prog, _Inside(jaxpr, r), rloc, path)
 
 
