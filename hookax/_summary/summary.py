@@ -282,12 +282,17 @@ def summary(
       98784
     """
     args, kwargs = _specs_to_structs(example_args), _specs_to_structs(example_kwargs)
-    name, call = None, None
-    if _is_function(model):  # hx.summary(forward, model, cache, tokens), as hx.capture takes
+    name, call, backend = None, None, None
+    _check_options(depth, method, train)
+    if _is_function(model) and _module_position(args) is None:  # a program without modules
+        name = getattr(model, "__name__", "function")
+        backend, sig = _program_call(model, args, kwargs, method, train)
+    elif _is_function(model):  # hx.summary(forward, model, cache, tokens), as hx.capture takes
         name = getattr(model, "__name__", "function")
         model, args, call, sig = _function_call(model, args, kwargs, method)
-    backend = _check(model, depth, method, train)
-    if call is None:
+    if backend is None:
+        backend = _check(model)
+    if call is None and name is None:
         sig = _signature(model, method)
         if train is not None and sig is not None and "train" in sig.parameters:
             kwargs["train"] = train  # a model's own train= argument gets the switch too
@@ -461,6 +466,60 @@ def _is_function(obj: Any) -> bool:
     return callable(obj) and not isinstance(obj, type) and adapter_for(obj) is None
 
 
+def _module_position(args: tuple) -> int | None:
+    """The position of the first module among ``args``, None when none is one."""
+    from .._engine.adapters import adapter_for
+
+    return next((i for i, a in enumerate(args) if adapter_for(a) is not None), None)
+
+
+def _function_signature(fn: Any, args: tuple, kwargs: dict) -> inspect.Signature | None:
+    """``fn``'s signature, after checking that it takes ``args`` and ``kwargs``."""
+    sig: inspect.Signature | None
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature: leave it to the call
+        return None
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise HookaxError(
+            f"hx.summary cannot call {getattr(fn, '__name__', fn)}{sig}: {e}. Fix: pass "
+            "the function's arguments after it, the model among them."
+        ) from None
+    return sig
+
+
+def _program_call(
+    fn: Any, args: tuple, kwargs: dict, method: str, train: bool | None
+) -> tuple[Any, inspect.Signature | None]:
+    """For ``hx.summary(forward, weights, tokens)`` with no module among the arguments: the
+    backend that summarises ``forward`` as a program without modules, and the signature
+    (with a placeholder first parameter) that names its inputs in the title."""
+    from . import programs
+    from .trace import describe_call
+
+    if method != "__call__":
+        raise HookaxError(
+            f"hx.summary: method={method!r} applies to a module; {fn!r} is a function. Fix: "
+            "call the method inside the function."
+        )
+    sig = _function_signature(fn, args, kwargs)
+    if train is not None:
+        if sig is None or "train" not in sig.parameters:
+            raise HookaxError(
+                f"hx.summary(train={train}): {getattr(fn, '__name__', fn)} calls no module, "
+                "so there is no training mode to switch, and it takes no train= argument. "
+                "Fix: pass the program's own switch as a keyword argument, or leave train=None."
+            )
+        kwargs["train"] = train
+    if sig is not None:
+        first = inspect.Parameter("_program", inspect.Parameter.POSITIONAL_ONLY)
+        sig = sig.replace(parameters=[first, *sig.parameters.values()])
+    backend = programs.Program(fn, args, kwargs, describe_call(sig, args, kwargs))
+    return backend, sig
+
+
 def _function_call(
     fn: Any, args: tuple, kwargs: dict, method: str
 ) -> tuple[Any, tuple, Any, inspect.Signature | None]:
@@ -486,19 +545,8 @@ def _function_call(
     def call(m: Any, *a: Any, **k: Any) -> Any:
         return fn(*a[:at], m, *a[at:], **k)
 
-    sig: inspect.Signature | None
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # no signature: leave it to the call
-        sig = None
+    sig = _function_signature(fn, args, kwargs)
     if sig is not None:
-        try:
-            sig.bind(*args, **kwargs)
-        except TypeError as e:
-            raise HookaxError(
-                f"hx.summary cannot call {getattr(fn, '__name__', fn)}{sig}: {e}. Fix: pass "
-                "the function's arguments after it, the model among them."
-            ) from None
         params = list(sig.parameters.values())
         del params[at]
         first = inspect.Parameter("_model", inspect.Parameter.POSITIONAL_ONLY)
@@ -542,16 +590,19 @@ def _check_arguments(model: Any, method: str, args: tuple, kwargs: dict) -> None
             )
 
 
-def _check(model: Any, depth: Any, method: Any, train: Any) -> Any:
-    """The backend that traces ``model``'s framework (``trace_calls``, ``collections``)."""
-    from .._engine.adapters import adapter_for
-
+def _check_options(depth: Any, method: Any, train: Any) -> None:
     if depth is not None and (not isinstance(depth, int) or depth < 0):
         raise HookaxError(f"hx.summary(depth=...) takes an int >= 0 or None, got {depth!r}.")
     if not isinstance(method, str):
         raise HookaxError(f"hx.summary(method=...) takes a method name, got {method!r}.")
     if train not in (None, True, False):
         raise HookaxError(f"hx.summary(train=...) takes None, True or False, got {train!r}.")
+
+
+def _check(model: Any) -> Any:
+    """The backend that traces ``model``'s framework (``trace_calls``, ``collections``)."""
+    from .._engine.adapters import adapter_for
+
     adapter = adapter_for(model)
     if adapter is not None and adapter.name in ("linen", "equinox"):
         from . import frameworks as _summary_frameworks

@@ -95,11 +95,19 @@ class CallInfo:
 
     Compared by identity: a marker's parameter, hashable without hashing the user's values."""
 
-    __slots__ = ("in_leaves", "in_tree", "local", "name", "out_leaves", "out_tree")
+    __slots__ = ("arg_names", "in_leaves", "in_tree", "local", "name", "out_leaves", "out_tree")
 
-    def __init__(self, name: str, in_tree: Any, in_leaves: list[Any], local: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        in_tree: Any,
+        in_leaves: list[Any],
+        local: bool = False,
+        arg_names: tuple[str, ...] = (),
+    ) -> None:
         self.name = name
         self.local = local  # a function defined inside another (a scan body, a closure)
+        self.arg_names = arg_names  # the names of its positional parameters (``self`` left out)
         # Leaves: the marker's n-th input/output (an int) or a static Python value (_Static).
         self.in_tree = in_tree
         self.in_leaves = in_leaves
@@ -276,7 +284,8 @@ class _Recorder:
                 args = _call_args(frame, code, skip_self)
                 treedef, spec, dyn = _split(args)
                 local = "<locals>" in getattr(code, "co_qualname", "")
-                info = CallInfo(name, treedef, spec, local)
+                names = code.co_varnames[1 if skip_self else 0 : code.co_argcount]
+                info = CallInfo(name, treedef, spec, local, names)
                 site_p.bind(*dyn, kind="enter", info=info)
             except Exception as e:
                 self.failed = self.failed or e
