@@ -7,7 +7,8 @@ still there while it is traced: each call of the user's Python functions, and ea
 
 **Discovery.** The function is traced once to a jaxpr (``jax.make_jaxpr``) with a Python profile
 function set on this thread. On each call of a user function (code outside JAX, NumPy, the
-standard library and the other libraries in :data:`_LIBRARIES`) it binds the ``hookax_site``
+standard library and the other libraries in :data:`_LIBRARIES`; hookax's own examples are user
+code) it binds the ``hookax_site``
 marker primitive on the call's array arguments, and on return on its array results: identity
 equations that mark where the call starts and ends in the program and which values went in and
 came out. ``jax.jit`` functions are retraced for discovery (a user-context value keys JAX's caches
@@ -216,7 +217,7 @@ def _is_user(code: types.CodeType, module: str | None) -> bool:
         top = (module or "").partition(".")[0]
         name = code.co_name
         hit = not (
-            top in _LIBRARIES
+            (top in _LIBRARIES and not (module or "").startswith("hookax.examples."))
             or top in _STDLIB
             or code.co_filename.startswith("<")
             or name in _NOT_CALLS
