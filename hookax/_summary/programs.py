@@ -148,7 +148,9 @@ class _Walk:
         i: int,
         path: tuple[Any, ...],
     ) -> None:
-        ins = [origin.get(v, frozenset()) if isinstance(v, Var) else frozenset() for v in eqn.invars]
+        ins = [
+            origin.get(v, frozenset()) if isinstance(v, Var) else frozenset() for v in eqn.invars
+        ]
         name = eqn.primitive.name
         if eqn.primitive is _program.site_p or name in _PASS:
             got = frozenset().union(*ins)
@@ -329,7 +331,18 @@ class Program:
                 self.prog = prog
             return _program.Evaluator(prog, _functions.ADAPTER).run(a, k)
 
-        return trace.trace_whole(forward, (ws, xs), self.site, _Recorder(self))
+        try:
+            return trace.trace_whole(forward, (ws, xs), self.site, _Recorder(self))
+        except HookaxError:
+            raise
+        except Exception as e:
+            name = getattr(self.fn, "__name__", "the function")
+            e.add_note(
+                f"hx.summary: none of its positional arguments is a module, so {name} was "
+                "summarised as a program without modules; if it calls a model, pass the model "
+                "among its positional arguments: hx.summary(forward, model, cache, tokens)"
+            )
+            raise
 
     def walk(self) -> _Walk:
         if self._walk is None:

@@ -485,7 +485,9 @@ def _function_signature(fn: Any, args: tuple, kwargs: dict) -> inspect.Signature
     except TypeError as e:
         raise HookaxError(
             f"hx.summary cannot call {getattr(fn, '__name__', fn)}{sig}: {e}. Fix: pass "
-            "the function's arguments after it, the model among them."
+            "the function's arguments after it: the model among them "
+            "(hx.summary(forward, model, tokens)), or for a function that calls no module, its "
+            "weights (hx.summary(forward, weights, tokens))."
         ) from None
     return sig
 

@@ -846,10 +846,7 @@ class Evaluator:
 
     def _cond(self, p: dict, invals: list[Any], run: Callable[..., Any]) -> list[Any]:
         index, ops = invals[0], invals[1:]
-        fns = [
-            lambda *xs, br=br: run(br, list(xs))  # type: ignore[misc]
-            for br in p["branches"]
-        ]
+        fns = [lambda *xs, br=br: run(br, list(xs)) for br in p["branches"]]
         return list(lax.switch(index, fns, *ops))
 
 
