@@ -208,6 +208,9 @@ _NOT_CALLS = frozenset(
 )
 _GENERATOR = 0x20 | 0x80 | 0x200  # CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR
 _USER: dict[types.CodeType, bool] = {}
+# Code typed by a person (a doctest, the REPL, an IPython console), not generated code
+# (``<string>``: dataclasses' ``__init__``, namedtuples).
+_TYPED = ("<doctest ", "<stdin>", "<ipython-input-", "<console")
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
 
 
@@ -219,7 +222,7 @@ def _is_user(code: types.CodeType, module: str | None) -> bool:
         hit = not (
             (top in _LIBRARIES and not (module or "").startswith("hookax.examples."))
             or top in _STDLIB
-            or code.co_filename.startswith("<")
+            or (code.co_filename.startswith("<") and not code.co_filename.startswith(_TYPED))
             or name in _NOT_CALLS
             or code.co_flags & _GENERATOR
             or (name.startswith("__") and name.endswith("__") and name != "__call__")
