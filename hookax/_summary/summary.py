@@ -23,7 +23,8 @@ class SummaryRow:
     Attributes:
       key: the call site's key (``"layers/0/attn"``, ``"embed:attend"``; ``""`` for the model).
       path: the module's path from the model, a tuple of keys.
-      type: the module's class name.
+      type: the module's class name (a program's call site: its function's name, or
+        ``"named_scope"``).
       method: the method called (``"__call__"``, ...).
       inputs: each array leaf of the arguments as ``"f32[8,64]"`` (other leaves by ``repr``);
         keyword arguments and leaves of pytree arguments are named (``"cache/k: f32[1,8,64]"``).
@@ -249,6 +250,11 @@ def summary(
         calls one, as [`hx.capture`][hookax.capture] takes: ``hx.summary(forward, model, cache,
         tokens)``; the rows are the call sites of the first NNX or Equinox module among its
         positional arguments, and the first row and the totals count the function's own work.
+        Or a function that calls no module (a program over a weight pytree):
+        ``hx.summary(forward, weights, tokens)``; the rows are its own call sites (its Python
+        functions' calls and its ``jax.named_scope`` blocks) and the parameters are the
+        floating-point leaves of its weights, the first positional argument that holds more
+        than one array (see the summary guide, "Programs without modules").
       *example_args: its positional arguments: arrays, ``jax.ShapeDtypeStruct``\\ s, spec
         strings like ``"f32[8,784]"``, or anything else the method takes.
       depth: keep rows at most this deep (see [`SummaryRow`][hookax.SummaryRow]'s ``depth``: the
@@ -280,6 +286,17 @@ def summary(
       ('Linear(f32[8,64])', ('f32[8,32]',), 2080, 33024)
       >>> s.totals.vjp_flops  # forward and backward
       98784
+
+      A program without modules, its weights a pytree of arrays:
+
+      >>> def mlp(x, w):
+      ...     return jax.nn.relu(x @ w["up"]) @ w["down"]
+      >>> def forward(weights, x):
+      ...     return mlp(x, weights["mlp"]) + x
+      >>> weights = {"mlp": {"up": jnp.ones((64, 128)), "down": jnp.ones((128, 64))}}
+      >>> p = hx.summary(forward, weights, "f32[8,64]")
+      >>> [(r.key, r.type, r.params) for r in p.rows]
+      [('', 'forward', 16384), ('mlp', 'mlp', 16384)]
     """
     args, kwargs = _specs_to_structs(example_args), _specs_to_structs(example_kwargs)
     name, call, backend = None, None, None

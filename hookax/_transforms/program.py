@@ -220,9 +220,11 @@ def _is_user(code: types.CodeType, module: str | None) -> bool:
         top = (module or "").partition(".")[0]
         name = code.co_name
         hit = not (
-            (top in _LIBRARIES and not (module or "").startswith("hookax.examples."))
-            or top in _STDLIB
-            or (code.co_filename.startswith("<") and not code.co_filename.startswith(_TYPED))
+            (
+                (top in _LIBRARIES or top in _STDLIB or code.co_filename.startswith("<"))
+                and not code.co_filename.startswith(_TYPED)
+                and not (module or "").startswith("hookax.examples.")
+            )
             or name in _NOT_CALLS
             or code.co_flags & _GENERATOR
             or (name.startswith("__") and name.endswith("__") and name != "__call__")
