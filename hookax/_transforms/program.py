@@ -7,7 +7,8 @@ still there while it is traced: each call of the user's Python functions, and ea
 
 **Discovery.** The function is traced once to a jaxpr (``jax.make_jaxpr``) with a Python profile
 function set on this thread. On each call of a user function (code outside JAX, NumPy, the
-standard library and the other libraries in :data:`_LIBRARIES`) it binds the ``hookax_site``
+standard library and the other libraries in :data:`_LIBRARIES`; hookax's own examples are user
+code) it binds the ``hookax_site``
 marker primitive on the call's array arguments, and on return on its array results: identity
 equations that mark where the call starts and ends in the program and which values went in and
 came out. ``jax.jit`` functions are retraced for discovery (a user-context value keys JAX's caches
@@ -96,11 +97,19 @@ class CallInfo:
 
     Compared by identity: a marker's parameter, hashable without hashing the user's values."""
 
-    __slots__ = ("in_leaves", "in_tree", "local", "name", "out_leaves", "out_tree")
+    __slots__ = ("arg_names", "in_leaves", "in_tree", "local", "name", "out_leaves", "out_tree")
 
-    def __init__(self, name: str, in_tree: Any, in_leaves: list[Any], local: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        in_tree: Any,
+        in_leaves: list[Any],
+        local: bool = False,
+        arg_names: tuple[str, ...] = (),
+    ) -> None:
         self.name = name
         self.local = local  # a function defined inside another (a scan body, a closure)
+        self.arg_names = arg_names  # the names of its positional parameters (``self`` left out)
         # Leaves: the marker's n-th input/output (an int) or a static Python value (_Static).
         self.in_tree = in_tree
         self.in_leaves = in_leaves
@@ -200,6 +209,8 @@ _NOT_CALLS = frozenset(
 )
 _GENERATOR = 0x20 | 0x80 | 0x200  # CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR
 _USER: dict[types.CodeType, bool] = {}
+# Code typed by a person (a doctest, the REPL, an IPython console), not generated code
+# (``<string>``: dataclasses' ``__init__``, namedtuples).
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
 
 
@@ -209,6 +220,8 @@ def _library(code: types.CodeType, module: str | None) -> bool:
     if file.startswith("<frozen"):  # the standard library's frozen modules
         return True
     if file.startswith("<"):  # typed or run as text: a doctest, a REPL, exec, python -c
+        return False
+    if (module or "").startswith("hookax.examples."):  # the examples are models, not hookax
         return False
     top = (module or "").partition(".")[0]
     return top in _LIBRARIES or top in _STDLIB
@@ -289,7 +302,8 @@ class _Recorder:
                 args = _call_args(frame, code, skip_self)
                 treedef, spec, dyn = _split(args)
                 local = "<locals>" in getattr(code, "co_qualname", "")
-                info = CallInfo(name, treedef, spec, local)
+                names = code.co_varnames[1 if skip_self else 0 : code.co_argcount]
+                info = CallInfo(name, treedef, spec, local, names)
                 site_p.bind(*dyn, kind="enter", info=info)
             except Exception as e:
                 self.failed = self.failed or e
@@ -903,10 +917,7 @@ class Evaluator:
 
     def _cond(self, p: dict, invals: list[Any], run: Callable[..., Any]) -> list[Any]:
         index, ops = invals[0], invals[1:]
-        fns = [
-            lambda *xs, br=br: run(br, list(xs))  # type: ignore[misc]
-            for br in p["branches"]
-        ]
+        fns = [lambda *xs, br=br: run(br, list(xs)) for br in p["branches"]]
         return list(lax.switch(index, fns, *ops))
 
 

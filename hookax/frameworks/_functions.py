@@ -201,7 +201,7 @@ class _ProgramFn:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.key = FnKey(fn)
-        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        functools.update_wrapper(self, fn)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _ProgramFn) and other.key == self.key
