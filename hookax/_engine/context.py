@@ -366,6 +366,8 @@ class Frame:
                 path = self._rebuilt_path()
             if path is None:
                 path = self._bridged_path()
+            if path is None:
+                path = self._built_path()
             # Not reachable from any root in progress: this module is a root of its own.
             self._path = () if path is None else path
         return self._path
@@ -381,6 +383,17 @@ class Frame:
             return None
         self._bridged = True
         return f.path
+
+    def _built_path(self) -> tuple[Any, ...] | None:
+        """The path of a module no root holds, called inside a call of its own framework's
+        module (Haliax's ``hnn.Linear`` builds a ``DefaultDotGeneralOp`` on every call): below
+        that call, named by its class; never the root's path."""
+        f = self.parent
+        while f is not None and f.adapter is not self.adapter:
+            f = f.parent
+        if f is None:
+            return None
+        return (*f.path, type(self.module).__name__)
 
     def bridged(self) -> bool:
         """Whether this call runs below a bridged root (modules rebuilt on every call)."""
