@@ -9,7 +9,10 @@ An adapter is loaded the first time hookax is used while its framework is import
 * ``root_done()``: called when the outermost call site on this thread returns.
 
 Optional: ``relative_path(root, module)`` (a path without walking the model, where modules know
-their own: Linen) and ``immutable`` (modules take only scoped hooks: Linen, Equinox).
+their own: Linen), ``own_path(module)`` (the whole path, whatever the root: Haiku, whose
+outermost module is keyed by its name, not ``""``), ``outer_trace()`` (the JAX trace a root's
+model call started in, where that is before the root's own call: Haiku's ``apply``) and
+``immutable`` (modules take only scoped hooks: Linen, Equinox, Haiku).
 
 Adapters install when hookax is first used, or at ``import hookax`` for frameworks imported
 before it; Linen's also right after ``flax.linen`` is imported when hookax came first (an import
@@ -45,6 +48,7 @@ _FRAMEWORKS: tuple[tuple[str, str, str], ...] = (
     ("nnx", "flax.nnx", "_nnx"),
     ("linen", "flax.linen", "_linen"),
     ("equinox", "equinox", "_equinox"),
+    ("haiku", "haiku", "_haiku"),
 )
 
 
