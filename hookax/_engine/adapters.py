@@ -33,6 +33,7 @@ __all__ = [
     "adapter_for",
     "ensure_installed",
     "installed",
+    "is_haiku_model",
     "is_linen",
     "key_linen_interceptors",
     "linen_needs_variables",
@@ -124,6 +125,16 @@ def unbound_linen(objs: Any) -> Any | None:
         if isinstance(obj, nn.Module) and obj.scope is None:
             return obj
     return None
+
+
+def is_haiku_model(obj: Any) -> bool:
+    """A Haiku module, or what ``hk.transform(_with_state)`` returns, or its ``init``/``apply``."""
+    hk = sys.modules.get("haiku")
+    if hk is None:
+        return False
+    if isinstance(obj, hk.Module | hk.Transformed | hk.TransformedWithState):
+        return True
+    return callable(obj) and hasattr(obj, "_original_fn")  # Haiku's init and apply functions
 
 
 def is_linen(obj: Any) -> bool:

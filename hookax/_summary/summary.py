@@ -9,6 +9,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from .._util.errors import HookaxError
+from . import haiku as _summary_haiku
 from . import render as _summary_render
 
 __all__ = ["Memory", "Summary", "SummaryRow", "SummaryTotals", "summary"]
@@ -287,7 +288,10 @@ def summary(
         name = getattr(model, "__name__", "function")
         model, args, call, sig = _function_call(model, args, kwargs, method)
     backend = _check(model, depth, method, train)
-    if call is None:
+    if _summary_haiku.is_transformed(model):  # the function hk.transform was given runs
+        fn = _summary_haiku.original_fn(model)
+        name, sig = getattr(fn, "__name__", "function"), _signature_of_fn(fn)
+    elif call is None:
         sig = _signature(model, method)
         if train is not None and sig is not None and "train" in sig.parameters:
             kwargs["train"] = train  # a model's own train= argument gets the switch too
@@ -506,6 +510,16 @@ def _function_call(
     return model, rest, call, sig
 
 
+def _signature_of_fn(fn: Any) -> inspect.Signature | None:
+    """``fn``'s signature with a first parameter added (``describe_call`` skips the first)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return None
+    first = inspect.Parameter("_model", inspect.Parameter.POSITIONAL_ONLY)
+    return sig.replace(parameters=[first, *sig.parameters.values()])
+
+
 def _signature(model: Any, method: str) -> inspect.Signature | None:
     fn = getattr(type(model), method, None)
     try:
@@ -552,6 +566,8 @@ def _check(model: Any, depth: Any, method: Any, train: Any) -> Any:
         raise HookaxError(f"hx.summary(method=...) takes a method name, got {method!r}.")
     if train not in (None, True, False):
         raise HookaxError(f"hx.summary(train=...) takes None, True or False, got {train!r}.")
+    if _summary_haiku.is_transformed(model):
+        return _summary_haiku.Haiku()
     adapter = adapter_for(model)
     if adapter is not None and adapter.name in ("linen", "equinox"):
         from . import frameworks as _summary_frameworks
