@@ -11,10 +11,10 @@ summary`` and ``hookax gradflow`` themselves; the entry point is :mod:`hookax._c
 A factory is ``package.module:function`` (the current directory is importable) or
 ``path/to/file.py:function``; it is called once, with no arguments, and returns a Flax NNX, Flax
 Linen or Equinox module, or a Haiku transform (``hk.transform(forward)``: ``hookax summary`` and
-``hookax ops`` initialise its parameters abstractly). A mistake on the command line (an unknown example, a factory that does
-not import, an input spec that does not parse, an input that does not fit the model) prints one
-line on stderr and exits with 2; so does an exception of the model's own, shown as the model's
-with its call site and line (:mod:`hookax._cli.failures`).
+``hookax ops`` initialise its parameters abstractly). A mistake on the command line (an unknown
+example, a factory that does not import, an input spec that does not parse, an input that does
+not fit the model) prints one line on stderr and exits with 2; so does an exception of the
+model's own, shown as the model's with its call site and line (:mod:`hookax._cli.failures`).
 
 Subcommands are :class:`Command`\\ s in :data:`COMMANDS`; :func:`register` adds one, and
 :func:`add_model_arguments` / :func:`load_model` give it the same model options as the others.
@@ -363,7 +363,6 @@ def load_model(args: argparse.Namespace, *, abstract: bool) -> LoadedModel:
     inputs, kwargs = _as_32_bit((inputs, kwargs))
     model = _build(build, name, abstract)
     from .._engine.adapters import adapter_for
-
     from .._summary.haiku import is_transformed
 
     import_nnx = sys.modules.get("flax.nnx")
