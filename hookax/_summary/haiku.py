@@ -108,7 +108,7 @@ def _site(module: Any, method: str, args: tuple, kwargs: dict) -> trace.Site | N
 
     frame = hk_base.current_frame()
     variables = trace.abstract(
-        (dict(frame.params), dict(hk_base.extract_state(frame.state, initial=False)))
+        (dict(frame.params), dict(hk_base.extract_state(frame.state or {}, initial=False)))
     )
     flat = trace.Flat.of((args, kwargs))
 
