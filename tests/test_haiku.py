@@ -308,3 +308,81 @@ def test_cli_factory(tmp_path: Any, monkeypatch: Any, capsys: Any) -> None:
         None,
     )
     assert "mlp/linear_1:dot_general" in capsys.readouterr().out
+
+
+def test_patching_grids_statistics_and_nonfinite() -> None:
+    t = hk.transform(stacked)
+    params = t.init(jax.random.key(0), X)
+    apply = lambda p, x: t.apply(p, None, x)  # noqa: E731
+    metric = lambda y: jnp.sum(y[:, 0])  # noqa: E731
+
+    def layers(h: jax.Array, start: int) -> jax.Array:
+        for i in range(start, 3):
+            h = jnp.tanh(lin(params, "layers/block/lin", h, i))
+        return h
+
+    clean, corrupt = lin(params, "embed", X), lin(params, "embed", -X)
+    clean1, corrupt1 = (jnp.tanh(lin(params, "layers/block/lin", e, 0)) for e in (clean, corrupt))
+    clean2, corrupt2 = (jnp.tanh(lin(params, "layers/block/lin", h, 1)) for h in (clean1, corrupt1))
+    cols = jnp.arange(4)[None, :]
+    want = jnp.stack(
+        [
+            jnp.stack([metric(layers(jnp.where(cols == p, clean, corrupt), 0)) for p in range(4)]),
+            jnp.stack(
+                [metric(layers(jnp.where(cols == p, clean2, corrupt2), 2)) for p in range(4)]
+            ),
+        ]
+    )
+    where = ["embed", "layers/block[1]"]
+    grid = hx.patch_grid(apply, (params, X), (params, -X), metric, where=where)
+    close(grid, want)
+    # attribution: the gradient at the corrupted run times (clean - corrupt), per position
+    est = hx.attribution_patch(apply, (params, X), (params, -X), metric, where=where)
+    g_embed = jax.grad(lambda e: metric(layers(e, 0)))(corrupt)
+    g_two = jax.grad(lambda h: metric(layers(h, 2)))(corrupt2)
+    close(
+        est, jnp.stack([((clean - corrupt) * g_embed).sum(0), ((clean2 - corrupt2) * g_two).sum(0)])
+    )
+
+    def loss(p: Any, x: jax.Array) -> jax.Array:
+        return jnp.sum(apply(p, x) ** 2)
+
+    _, _, stats = hx.value_grad_and_stats(loss, where="layers/block[2]")(params, X)
+    y = layers(clean, 0)
+    close(stats["layers/block[2]"]["act"]["norm"], jnp.linalg.norm(y))
+    close(stats["layers/block[2]"]["grad"]["max_abs"], jnp.max(jnp.abs(2 * y)))
+    assert hx.find_nonfinite(loss, params, X) is None
+    stack = params["layers/block/lin"]
+    bad = {**params, "layers/block/lin": {**stack, "b": stack["b"].at[1, 0].set(jnp.inf)}}
+    nf = hx.find_nonfinite(loss, bad, X)
+    assert nf is not None
+    assert (nf.phase, nf.label, nf.count, nf.before) == (
+        "forward",
+        "layers/block/lin[1]",
+        3,
+        "layers/block[0]",
+    )
+
+
+def test_harvest_and_profile(tmp_path: Any) -> None:
+    pytest.importorskip("tensorstore")
+    t = hk.transform(stacked)
+    params = t.init(jax.random.key(0), X)
+
+    def forward(x: jax.Array) -> jax.Array:
+        return t.apply(params, None, x)
+
+    data = [X, 2 * X]
+    where = ["embed", "layers/block"]
+    h = hx.harvest(forward, data, where=where, store=str(tmp_path / "acts"))
+    assert sorted(h.names) == [
+        "embed",
+        "layers/block[0]",
+        "layers/block[1]",
+        "layers/block[2]",
+    ]
+    embed = jnp.concatenate([lin(params, "embed", x) for x in data])
+    close(h.read("embed"), embed)
+    close(h.read("layers/block[0]"), jnp.tanh(lin(params, "layers/block/lin", embed, 0)))
+    prof = hx.profile(forward, X, runs=1, warmup=1)
+    assert {"embed", "layers/block", "layers/block/lin"} <= {r.key for r in prof.rows}
