@@ -124,6 +124,12 @@ def test_layer_stack_layers_by_suffix() -> None:
     # one layer by its suffix
     y, acts = hx.capture(t.apply, where="layers/block[2]")(params, None, X)
     close(acts["layers/block[2]"][0], h[3])
+    # operations inside call sites, by the addresses hx.ops lists
+    listed = [r.address for r in hx.ops(t.apply, params, None, X, where="layers/**")]
+    assert listed[:2] == ["layers/block/lin:dot_general", "layers/block/lin:broadcast_in_dim"]
+    _, vals = hx.capture(t.apply, ops="layers/block/lin:dot_general")(params, None, X)
+    w = params["layers/block/lin"]["w"]
+    close(vals["layers/block/lin:dot_general"][0], jnp.stack([h[i] @ w[i] for i in range(3)]))
     with hx.intercept(double, where="layers/block[1]"):
         y = t.apply(params, None, X)
     close(y, jnp.tanh(lin(params, "layers/block/lin", 2 * h[2], 2)))
