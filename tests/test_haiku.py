@@ -284,6 +284,10 @@ def test_errors_name_the_fix() -> None:
         hx.register_forward_hook(t, lambda m, a, o: None)
     with pytest.raises(hx.HookaxError, match=r"hx\.summary\(t, x\)"):
         hx.summary(t.apply, None, None, X)
+    made: list[Any] = []
+    hk.transform(lambda: made.append(hk.Linear(2))).init(None)
+    with pytest.raises(hx.HookaxError, match=r"Haiku Linear module.*hx\.summary\(t, x\)"):
+        hx.summary(made[0], X)
     params = t.init(jax.random.key(0), X)
     with pytest.raises(hx.SelectorError):
         hx.capture(t.apply, where="nothing/*")(params, None, X)
