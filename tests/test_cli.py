@@ -348,7 +348,8 @@ def test_factory_errors(capsys, factories):
         "cannot import factory 'user_models:missing': user_models has no 'missing'"
     )
     assert _error(capsys, "summary", f"{factories}:not_a_model", "--input", "f32[2]") == (
-        "'user_models:not_a_model' returned int, not a Flax NNX, Flax Linen or Equinox module"
+        "'user_models:not_a_model' returned int, not a Flax NNX, Flax Linen or Equinox module "
+        "or a Haiku transform (hk.transform(forward))"
     )
     assert _error(capsys, "summary", f"{factories}:broken", "--input", "f32[2]") == (
         "factory 'user_models:broken' raised RuntimeError: no weights here"
