@@ -357,7 +357,8 @@ def test_factory_errors(capsys, factories):
     )
     assert _error(capsys, "summary", f"{factories}:not_a_model", "--input", "f32[2]") == (
         "'user_models:not_a_model' returned int, not a Flax NNX, Flax Linen or Equinox module, "
-        "nor a function with its arguments (forward, weights)"
+        "a Haiku transform (hk.transform(forward)), nor a function with its arguments (forward, "
+        "weights)"
     )
     assert _error(capsys, "summary", f"{factories}:broken", "--input", "f32[2]") == (
         "factory 'user_models:broken' raised RuntimeError: no weights here"
@@ -424,7 +425,8 @@ def test_python_dash_m_hookax_and_lazy_imports():
     assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
     code = (
         "import sys, hookax, hookax._cli.main, hookax.examples; "
-        "print(sorted(m for m in ('flax', 'rich', 'matplotlib', 'equinox') if m in sys.modules))"
+        "names = ('flax', 'rich', 'matplotlib', 'equinox', 'haiku'); "
+        "print(sorted(m for m in names if m in sys.modules))"
     )
     lazy = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert lazy.stdout.strip() == "[]"

@@ -301,7 +301,12 @@ class Frame:
         self.layer: Any = None
         # The root's: the JAX trace its call started in (a scan entered below it runs layers).
         self.trace: Any = current_trace()  # the JAX trace the call started in
-        self.outer_trace: Any = self.trace if parent is None else None
+        self.outer_trace: Any = None
+        if parent is None:
+            # A framework whose calls run inside a transform of their own (Haiku's ``apply``)
+            # gives the trace that transform started in: scans entered there are the root's.
+            outer = getattr(adapter, "outer_trace", None)
+            self.outer_trace = (outer() if outer is not None else None) or self.trace
         # Whether the call runs inside a scan, once pinned (see pin_scan).
         self.scanned: bool | None = None
 
@@ -353,6 +358,10 @@ class Frame:
     @property
     def path(self) -> tuple[Any, ...]:
         if self._path is None:
+            own = getattr(self.adapter, "own_path", None)
+            if own is not None:  # modules that know their whole path (Haiku's module names)
+                self._path = own(self.module)
+                return self._path
             if self.parent is None:
                 self._path = ()
                 return ()

@@ -9,6 +9,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from .._util.errors import HookaxError
+from . import haiku as _summary_haiku
 from . import render as _summary_render
 
 __all__ = ["Memory", "Summary", "SummaryRow", "SummaryTotals", "summary"]
@@ -301,6 +302,13 @@ def summary(
     args, kwargs = _specs_to_structs(example_args), _specs_to_structs(example_kwargs)
     name, call, backend = None, None, None
     _check_options(depth, method, train)
+    from .._engine.adapters import is_haiku_model
+
+    if _is_function(model) and is_haiku_model(model):
+        raise HookaxError(
+            "hx.summary of a Haiku function: pass what hk.transform returned, hx.summary(t, x); "
+            "its parameters are initialised abstractly."
+        )
     if _is_function(model) and _module_position(args) is None:  # a program without modules
         name = getattr(model, "__name__", "function")
         backend, sig = _program_call(model, args, kwargs, method, train)
@@ -309,7 +317,10 @@ def summary(
         model, args, call, sig = _function_call(model, args, kwargs, method)
     if backend is None:
         backend = _check(model)
-    if call is None and name is None:
+    if _summary_haiku.is_transformed(model):  # the function hk.transform was given runs
+        fn = _summary_haiku.original_fn(model)
+        name, sig = getattr(fn, "__name__", "function"), _signature_of_fn(fn)
+    elif call is None and name is None:
         sig = _signature(model, method)
         if train is not None and sig is not None and "train" in sig.parameters:
             kwargs["train"] = train  # a model's own train= argument gets the switch too
@@ -573,6 +584,16 @@ def _function_call(
     return model, rest, call, sig
 
 
+def _signature_of_fn(fn: Any) -> inspect.Signature | None:
+    """``fn``'s signature with a first parameter added (``describe_call`` skips the first)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return None
+    first = inspect.Parameter("_model", inspect.Parameter.POSITIONAL_ONLY)
+    return sig.replace(parameters=[first, *sig.parameters.values()])
+
+
 def _signature(model: Any, method: str) -> inspect.Signature | None:
     fn = getattr(type(model), method, None)
     try:
@@ -622,7 +643,15 @@ def _check(model: Any) -> Any:
     """The backend that traces ``model``'s framework (``trace_calls``, ``collections``)."""
     from .._engine.adapters import adapter_for
 
+    if _summary_haiku.is_transformed(model):
+        return _summary_haiku.Haiku()
     adapter = adapter_for(model)
+    if adapter is not None and adapter.name == "haiku":
+        raise HookaxError(
+            f"hx.summary of a Haiku {type(model).__name__} module: Haiku modules live inside "
+            "the function given to hk.transform. Fix: summarise that, hx.summary(t, x) with "
+            "t = hk.transform(forward)."
+        )
     if adapter is not None and adapter.name in ("linen", "equinox"):
         from . import frameworks as _summary_frameworks
 
@@ -630,9 +659,10 @@ def _check(model: Any) -> Any:
     nnx_module = _nnx_module_type()
     if nnx_module is None or not isinstance(model, nnx_module):
         raise HookaxError(
-            f"hx.summary supports Flax NNX, Flax Linen and Equinox modules; got "
-            f"{type(model).__name__}. Fix: pass the model (an nnx.Module, an unbound or bound "
-            "nn.Module, or an eqx.Module; build it abstractly to keep it small)."
+            f"hx.summary supports Flax NNX, Flax Linen and Equinox modules and Haiku "
+            f"transforms; got {type(model).__name__}. Fix: pass the model (an nnx.Module, an "
+            "unbound or bound nn.Module, an eqx.Module, or hk.transform(forward); build it "
+            "abstractly to keep it small)."
         )
     from . import trace as _summary_trace
 

@@ -162,11 +162,12 @@ def _compiled(prog: _program.Program) -> Callable[..., Any]:
 def _mentions_module(fn: Any, args: tuple, kwargs: dict) -> bool:
     """Whether a framework's module is plainly among ``fn`` (itself, its bound ``self``, a
     partial's arguments, its closure) or the top levels of the arguments."""
-    from .._engine.adapters import adapter_for
+    from .._engine.adapters import adapter_for, is_haiku_model
 
     def module(x: Any) -> bool:
         a = adapter_for(x)
-        return a is not None and a is not ADAPTER
+        # A Haiku transform (or its apply) calls Haiku's modules, which its adapter sees.
+        return (a is not None and a is not ADAPTER) or is_haiku_model(x)
 
     def shallow(x: Any, depth: int = 0) -> bool:
         if module(x):
