@@ -415,7 +415,8 @@ def test_python_dash_m_hookax_and_lazy_imports():
     assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
     code = (
         "import sys, hookax, hookax._cli.main, hookax.examples; "
-        "print(sorted(m for m in ('flax', 'rich', 'matplotlib', 'equinox') if m in sys.modules))"
+        "names = ('flax', 'rich', 'matplotlib', 'equinox', 'haiku'); "
+        "print(sorted(m for m in names if m in sys.modules))"
     )
     lazy = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert lazy.stdout.strip() == "[]"

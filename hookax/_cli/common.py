@@ -10,10 +10,11 @@ summary`` and ``hookax gradflow`` themselves; the entry point is :mod:`hookax._c
 
 A factory is ``package.module:function`` (the current directory is importable) or
 ``path/to/file.py:function``; it is called once, with no arguments, and returns a Flax NNX, Flax
-Linen or Equinox module. A mistake on the command line (an unknown example, a factory that does
-not import, an input spec that does not parse, an input that does not fit the model) prints one
-line on stderr and exits with 2; so does an exception of the model's own, shown as the model's
-with its call site and line (:mod:`hookax._cli.failures`).
+Linen or Equinox module, or a Haiku transform (``hk.transform(forward)``: ``hookax summary`` and
+``hookax ops`` initialise its parameters abstractly). A mistake on the command line (an unknown
+example, a factory that does not import, an input spec that does not parse, an input that does
+not fit the model) prints one line on stderr and exits with 2; so does an exception of the
+model's own, shown as the model's with its call site and line (:mod:`hookax._cli.failures`).
 
 Subcommands are :class:`Command`\\ s in :data:`COMMANDS`; :func:`register` adds one, and
 :func:`add_model_arguments` / :func:`load_model` give it the same model options as the others.
@@ -362,13 +363,14 @@ def load_model(args: argparse.Namespace, *, abstract: bool) -> LoadedModel:
     inputs, kwargs = _as_32_bit((inputs, kwargs))
     model = _build(build, name, abstract)
     from .._engine.adapters import adapter_for
+    from .._summary.haiku import is_transformed
 
     import_nnx = sys.modules.get("flax.nnx")
     is_nnx = import_nnx is not None and isinstance(model, import_nnx.Module)
-    if not is_nnx and adapter_for(model) is None:
+    if not is_nnx and adapter_for(model) is None and not is_transformed(model):
         raise UsageError(
             f"{name!r} returned {type(model).__name__}, not a Flax NNX, Flax Linen or "
-            "Equinox module"
+            "Equinox module or a Haiku transform (hk.transform(forward))"
         )
     _enter_model_mesh(model)
     return LoadedModel(model, inputs, kwargs, name, int_high)
@@ -397,7 +399,7 @@ def load_nnx_or_equinox(args: argparse.Namespace, does: str, *, linen: bool = Fa
     else:
         raise UsageError(
             f"{does} Flax NNX and Equinox models; {loaded.name!r} is a "
-            f"{type(loaded.model).__name__} (hookax summary takes it)"
+            f"{type(loaded.model).__name__} (hookax summary and hookax ops take it)"
         )
     return loaded
 

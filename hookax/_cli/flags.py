@@ -107,6 +107,17 @@ def call_problem(
 ) -> str | None:
     """What is wrong with calling ``model.method(*args, **kwargs)``, in the command's flags
     (``--method``, ``--input``, ``--kw``); None when nothing is."""
+    from .._summary.haiku import is_transformed, original_fn
+
+    if is_transformed(model):  # the function hk.transform was given is what runs
+        fn = original_fn(model)
+        if method != "__call__":
+            return f"--method {method!r}: a Haiku transform runs its function; leave --method out"
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature
+            return None
+        return _argument_problem(f"{getattr(fn, '__name__', 'forward')}{sig}", sig, args, kwargs)
     name = type(model).__name__
     methods = public_methods(type(model))
     private = method.startswith("_") and method != "__call__"

@@ -32,11 +32,13 @@ __all__ = [
     "StaleTraceWarning",
     "adapter_for",
     "ensure_installed",
+    "haiku_transform_given",
     "installed",
     "is_haiku_model",
     "is_linen",
     "key_linen_interceptors",
     "linen_needs_variables",
+    "note_haiku_outside_transform",
     "unbound_linen",
 ]
 
@@ -135,6 +137,46 @@ def is_haiku_model(obj: Any) -> bool:
     if isinstance(obj, hk.Module | hk.Transformed | hk.TransformedWithState):
         return True
     return callable(obj) and hasattr(obj, "_original_fn")  # Haiku's init and apply functions
+
+
+def haiku_transform_given(who: str, obj: Any) -> Exception | None:
+    """The error for what ``hk.transform`` returns given to ``who`` in place of a function
+    (it runs through its ``apply``, with the parameters), or None for anything else."""
+    hk = sys.modules.get("haiku")
+    if hk is None or not isinstance(obj, hk.Transformed | hk.TransformedWithState):
+        return None
+    from .._util.errors import HookaxError
+
+    state = ", state" if isinstance(obj, hk.TransformedWithState) else ""
+    return HookaxError(
+        f"{who} of a Haiku {type(obj).__name__}: Haiku runs a model through its apply, with its "
+        f"parameters. Fix: pass apply, {_haiku_fix(who, state)}, with params{state} = "
+        "t.init(rng, x) (rng may be None where the model draws no numbers)."
+    )
+
+
+def _haiku_fix(who: str, state: str = "") -> str:
+    """How ``who`` runs a Haiku model ``t = hk.transform(fn)``."""
+    if who == "hx.ops":
+        return f"hx.ops(t.apply, params{state}, rng, x)"
+    if who == "hx.value_and_grad":
+        return f"hx.value_and_grad(lambda p, x: loss(t.apply(p{state}, rng, x)))(params, x)"
+    return f"{who}(t.apply)(params{state}, rng, x)"
+
+
+_HAIKU_OUTSIDE = "must be initialized inside an `hk.transform`"
+
+
+def note_haiku_outside_transform(e: BaseException, who: str) -> None:
+    """Add the fix to Haiku's error for a module built outside ``hk.transform``."""
+    if isinstance(e, ValueError) and _HAIKU_OUTSIDE in str(e) and "haiku" in sys.modules:
+        from .._util.errors import add_note
+
+        add_note(
+            e,
+            f"hookax: {who} ran a function that builds Haiku modules outside hk.transform. Fix: "
+            f"t = hk.transform(fn); params = t.init(rng, x); {_haiku_fix(who)}.",
+        )
 
 
 def is_linen(obj: Any) -> bool:

@@ -6,10 +6,9 @@ Haiku has no model object: the model is the function given to ``hk.transform`` (
 ``jax.eval_shape`` (nothing is allocated), then ``apply`` traced on the abstract ``params`` and
 ``state`` with the recorder on. Parameters are counted from ``params`` under the path of the module
 that owns them (its Haiku name, as call sites are keyed), ``state`` as a collection of its own.
-A call site's FLOPs come from its method lowered alone in a transform of its own, on the model's
-abstract variables; a module Haiku created inside a lifted transform (``hk.layer_stack``) has
-none of its own (its variables live stacked under the lifting module's name), and its row shows
-none.
+A call site's FLOPs come from its method lowered alone in a transform of its own, on the abstract
+variables of the transform it runs in: the model's, or, inside ``hk.layer_stack``, one layer's
+(the row multiplies them by the layers).
 """
 
 from __future__ import annotations
@@ -82,7 +81,7 @@ class Haiku:
             return t.apply(*variables, _key(), *a, **k)[0]
 
         variables = (self.params, self.state)
-        return trace.trace_whole(forward, (variables, flat.dynamic), _site(variables))
+        return trace.trace_whole(forward, (variables, flat.dynamic), _site)
 
     def collections(self, model: Any, variables: bool) -> trace.Collections:
         from ..frameworks._haiku import haiku_path
@@ -101,22 +100,25 @@ class Haiku:
         return trace.Collections.build(entries, {p: tuple(v) for p, v in own.items()})
 
 
-def _site(variables: Any) -> Any:
-    """How to lower one call site alone: its method in a transform of its own."""
+def _site(module: Any, method: str, args: tuple, kwargs: dict) -> trace.Site | None:
+    """How to lower one call site alone: its method in a transform of its own, on the abstract
+    variables of the transform it runs in (a lifted one's: one layer of ``hk.layer_stack``)."""
     import haiku as hk
+    from haiku._src import base as hk_base
 
-    def site(module: Any, method: str, args: tuple, kwargs: dict) -> trace.Site | None:
-        flat = trace.Flat.of((args, kwargs))
+    frame = hk_base.current_frame()
+    variables = trace.abstract(
+        (dict(frame.params), dict(hk_base.extract_state(frame.state or {}, initial=False)))
+    )
+    flat = trace.Flat.of((args, kwargs))
 
-        def body(dynamic: list[Any]) -> Any:
-            a, k = flat.rebuild(dynamic)
-            return getattr(module, method)(*a, **k)
+    def body(dynamic: list[Any]) -> Any:
+        a, k = flat.rebuild(dynamic)
+        return getattr(module, method)(*a, **k)
 
-        t = hk.transform_with_state(body)
+    t = hk.transform_with_state(body)
 
-        def run(variables: Any, dynamic: list[Any]) -> Any:
-            return t.apply(*variables, _key(), dynamic)[0]
+    def run(variables: Any, dynamic: list[Any]) -> Any:
+        return t.apply(*variables, _key(), dynamic)[0]
 
-        return trace.Site(module, variables, method, flat, run)
-
-    return site
+    return trace.Site(module, variables, method, flat, run)

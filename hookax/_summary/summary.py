@@ -471,7 +471,7 @@ def _function_call(
     """For ``hx.summary(fn, *args)``: the first module among ``args`` (the model whose call
     sites are the rows), the other arguments, how to call ``fn`` with the model, and ``fn``'s
     signature without the model's parameter (for the title)."""
-    from .._engine.adapters import adapter_for
+    from .._engine.adapters import adapter_for, is_haiku_model
 
     if method != "__call__":
         raise HookaxError(
@@ -479,6 +479,11 @@ def _function_call(
             "call the method inside the function."
         )
     at = next((i for i, a in enumerate(args) if adapter_for(a) is not None), None)
+    if at is None and is_haiku_model(fn):
+        raise HookaxError(
+            "hx.summary of a Haiku function: pass what hk.transform returned, hx.summary(t, x); "
+            "its parameters are initialised abstractly."
+        )
     if at is None:
         raise HookaxError(
             f"hx.summary({getattr(fn, '__name__', fn)!r}, ...): none of the positional "
