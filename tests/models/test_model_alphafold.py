@@ -17,6 +17,7 @@ Each check runs eagerly and under ``jax.jit``. Runs where ``alphafold`` is insta
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -61,13 +62,14 @@ def _default_promotion() -> Iterator[None]:
         yield
 
 
-def tiny_config() -> tuple[Any, Any]:
+def tiny_config(subbatch_size: int = 1 << 20) -> tuple[Any, Any]:
     """``model_1_ptm``'s Evoformer config with few channels and heads; float32 (the config's
-    bfloat16 off) and no sub-batching (each attention one call over its whole batch)."""
+    bfloat16 off) and, by default, no sub-batching (each attention one call over its whole
+    batch; the config's own ``subbatch_size`` is 4)."""
     cfg = config.model_config("model_1_ptm")
     gc = cfg.model.global_config
     gc.bfloat16 = False
-    gc.subbatch_size = 1 << 20
+    gc.subbatch_size = subbatch_size
     c = cfg.model.embeddings_and_evoformer
     c.evoformer_num_block = LAYERS
     c.msa_channel, c.pair_channel = C_M, C_Z
@@ -83,19 +85,23 @@ def tiny_config() -> tuple[Any, Any]:
 
 
 CFG, GC = tiny_config()
+# AlphaFold's default: each attention over chunks of 4 of its batch rows.
+_, GC_CHUNKED = tiny_config(subbatch_size=4)
 
 
-def _iteration() -> Any:
-    return modules.EvoformerIteration(CFG.evoformer, GC, is_extra_msa=False, name=STACK)
+def _iteration(gc: Any = GC) -> Any:
+    return modules.EvoformerIteration(CFG.evoformer, gc, is_extra_msa=False, name=STACK)
 
 
 def _masks(msa_mask: jax.Array, pair_mask: jax.Array) -> dict[str, jax.Array]:
     return {"msa": msa_mask, "pair": pair_mask}
 
 
-def _evoformer(msa: jax.Array, pair: jax.Array, msa_mask: jax.Array, pair_mask: jax.Array) -> Any:
+def _evoformer(
+    msa: jax.Array, pair: jax.Array, msa_mask: jax.Array, pair_mask: jax.Array, gc: Any = GC
+) -> Any:
     """The Evoformer stack as ``EmbeddingsAndEvoformer`` writes it (its ``evoformer_fn``)."""
-    iteration = _iteration()
+    iteration = _iteration(gc)
 
     def evoformer_fn(x: Any) -> Any:
         act, safe_key = x
@@ -123,6 +129,7 @@ def _one_block(act: Any, msa_mask: jax.Array, pair_mask: jax.Array) -> Any:
 
 
 EVOFORMER = hk.transform(_evoformer)
+EVOFORMER_CHUNKED = hk.transform(functools.partial(_evoformer, gc=GC_CHUNKED))
 BLOCK = hk.transform(_one_block)
 
 
@@ -341,7 +348,9 @@ def test_attention_probabilities_of_one_block(model: Model, mode: str) -> None:
     (got,) = acts[ONE_BLOCK_PROBS]
     ref = model.probs[2]["triangle_attention_starting_node"]
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
-    mc.record(NAME, f"attention probabilities, one block [2] ({mode})", f"{mc.maxdiff(got, ref):.1e}")
+    mc.record(
+        NAME, f"attention probabilities, one block [2] ({mode})", f"{mc.maxdiff(got, ref):.1e}"
+    )
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -439,12 +448,34 @@ def test_patch_grid_blocks_by_residue(model: Model, mode: str) -> None:
     def grid_of(clean: tuple[Any, ...], corrupt: tuple[Any, ...]) -> jax.Array:
         return hx.patch_grid(fn, clean, corrupt, metric, where=f"{STACK}[0:{LAYERS}].pair", axis=0)
 
-    grid = _mode(grid_of, mode)(
-        (model.params, *model.clean), (model.params, *model.corrupt)
-    )
+    grid = _mode(grid_of, mode)((model.params, *model.clean), (model.params, *model.corrupt))
     assert grid.shape == (LAYERS, N_RES)
     ref = model.patched_grid()
     corrupt_metric = metric(reference(model.params, model.corrupt)[0])
     assert np.max(np.abs(ref - corrupt_metric)) > 1e-3  # patching moves the metric
     np.testing.assert_allclose(np.asarray(grid), ref, rtol=1e-5, atol=1e-5)
     mc.record(NAME, f"patch_grid blocks x residues ({mode})", f"{mc.maxdiff(grid, ref):.1e}")
+
+
+def test_attention_probabilities_in_chunks(model: Model) -> None:
+    """With AlphaFold's default sub-batching (``subbatch_size=4``) each attention runs on
+    chunks of 4 batch rows in an ``hk.scan``, then once on the remaining rows: the capture
+    holds one value per call, ``[block, chunk, 4, head, q, k]`` then ``[block, rest, head, q,
+    k]``, which put together along the batch axis are the unchunked reference's."""
+
+    def chunked(params: Any, *args: Any) -> Any:
+        return EVOFORMER_CHUNKED.apply(params, None, *args)
+
+    _, acts = jax.jit(hx.capture(chunked, ops=PROBS))(model.params, *model.clean)
+    worst = 0.0
+    for name, (batch, seq) in ATTENTIONS.items():
+        calls = acts[f"{STACK}/{name}/attention:softmax"]
+        whole = [c.reshape(LAYERS, -1, HEADS, seq, seq) for c in calls]
+        got = jnp.concatenate(whole, axis=1)
+        assert got.shape == (LAYERS, batch, HEADS, seq, seq), (name, [c.shape for c in calls])
+        assert len(calls) == (1 if batch % 4 == 0 else 2), (name, [c.shape for c in calls])
+        for i in range(LAYERS):
+            ref = model.probs[i][name]
+            np.testing.assert_allclose(got[i], ref, rtol=1e-5, atol=1e-6)
+            worst = max(worst, mc.maxdiff(got[i], ref))
+    mc.record(NAME, "attention probabilities, default sub-batching (jit)", f"{worst:.1e}")
