@@ -284,6 +284,10 @@ def test_errors_name_the_fix() -> None:
         hx.register_forward_hook(t, lambda m, a, o: None)
     with pytest.raises(hx.HookaxError, match=r"hx\.summary\(t, x\)"):
         hx.summary(t.apply, None, None, X)
+    made: list[Any] = []
+    hk.transform(lambda: made.append(hk.Linear(2))).init(None)
+    with pytest.raises(hx.HookaxError, match=r"Haiku Linear module.*hx\.summary\(t, x\)"):
+        hx.summary(made[0], X)
     params = t.init(jax.random.key(0), X)
     with pytest.raises(hx.SelectorError):
         hx.capture(t.apply, where="nothing/*")(params, None, X)
@@ -392,3 +396,14 @@ def test_harvest_and_profile(tmp_path: Any) -> None:
     close(h.read("layers/block[0]"), jnp.tanh(lin(params, "layers/block/lin", embed, 0)))
     prof = hx.profile(forward, X, runs=1, warmup=1)
     assert {"embed", "layers/block", "layers/block/lin"} <= {r.key for r in prof.rows}
+
+
+def test_no_op_scopes_compile_the_same_program() -> None:
+    t = hk.transform(nested)
+    params = t.init(jax.random.key(0), X)
+    plain = jax.jit(t.apply).lower(params, None, X).as_text()
+    with hx.intercept(lambda f, a, k, ctx: f(*a, **k)):
+        intercepted = jax.jit(t.apply).lower(params, None, X).as_text()
+    with hx.hooks(forward=lambda m, a, o: None):
+        hooked = jax.jit(t.apply).lower(params, None, X).as_text()
+    assert plain == intercepted == hooked

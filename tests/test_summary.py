@@ -233,7 +233,9 @@ def test_rejected_input_propagates_with_the_call_site_named():
 def test_bad_arguments():
     with pytest.raises(hx.HookaxError, match="none of the positional arguments is a module"):
         hx.summary(lambda x: x, jnp.ones(2))
-    with pytest.raises(hx.HookaxError, match="supports Flax NNX, Flax Linen and Equinox modules"):
+    with pytest.raises(
+        hx.HookaxError, match="supports Flax NNX, Flax Linen and Equinox modules and Haiku t"
+    ):
         hx.summary(object(), jnp.ones(2))
     with pytest.raises(hx.HookaxError, match=r"depth=\.\.\.\) takes an int >= 0 or None, got -1"):
         hx.summary(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.ones((1, 2)), depth=-1)

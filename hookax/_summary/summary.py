@@ -574,6 +574,12 @@ def _check(model: Any, depth: Any, method: Any, train: Any) -> Any:
     if _summary_haiku.is_transformed(model):
         return _summary_haiku.Haiku()
     adapter = adapter_for(model)
+    if adapter is not None and adapter.name == "haiku":
+        raise HookaxError(
+            f"hx.summary of a Haiku {type(model).__name__} module: Haiku modules live inside "
+            "the function given to hk.transform. Fix: summarise that, hx.summary(t, x) with "
+            "t = hk.transform(forward)."
+        )
     if adapter is not None and adapter.name in ("linen", "equinox"):
         from . import frameworks as _summary_frameworks
 
@@ -581,9 +587,10 @@ def _check(model: Any, depth: Any, method: Any, train: Any) -> Any:
     nnx_module = _nnx_module_type()
     if nnx_module is None or not isinstance(model, nnx_module):
         raise HookaxError(
-            f"hx.summary supports Flax NNX, Flax Linen and Equinox modules; got "
-            f"{type(model).__name__}. Fix: pass the model (an nnx.Module, an unbound or bound "
-            "nn.Module, or an eqx.Module; build it abstractly to keep it small)."
+            f"hx.summary supports Flax NNX, Flax Linen and Equinox modules and Haiku "
+            f"transforms; got {type(model).__name__}. Fix: pass the model (an nnx.Module, an "
+            "unbound or bound nn.Module, an eqx.Module, or hk.transform(forward); build it "
+            "abstractly to keep it small)."
         )
     from . import trace as _summary_trace
 

@@ -8,8 +8,9 @@ Haiku's own interceptors (innermost), inside the module's name scope. The idle c
 
 Call sites are the calls ``hk.intercept_methods`` reports: ``__call__`` and the public methods of
 every module class, Haiku's own layers (``hk.Linear``, ``hk.nets.MLP``) included; constructors,
-properties, ``hk.Module``'s own methods (``params_dict``) and Haiku's internal modules (the
-``LiftingModule`` behind ``hk.lift`` and ``hk.layer_stack``, name scopes) are not call sites.
+properties, methods marked ``@hk.transparent`` (Haiku does not wrap them), ``hk.Module``'s own
+methods (``params_dict``) and Haiku's internal modules (the ``LiftingModule`` behind ``hk.lift``
+and ``hk.layer_stack``, name scopes) are not call sites.
 
 Paths are Haiku's module names, split at ``/``, without the ``~`` segments that mark a module
 created in its parent's constructor; a module created in another method keeps that method's
@@ -17,14 +18,14 @@ segment (``~encode``), so two modules never share a path. Every module is keyed 
 the outermost one too (there is no root module object: the model is the function given to
 ``hk.transform``)::
 
-    Haiku module_name                      hookax key
-    mlp                                    mlp
-    mlp/~/linear_0                         mlp/linear_0
-    block/~encode/linear (made in encode)  block/~encode/linear  (method call: block:encode)
-    layers/block (in hk.layer_stack)       layers/block, one layer: layers/block[2]
-    transformer/layers/block               transformer/layers/block
-    vlin (in hk.vmap), rblock (hk.remat)   vlin, rblock (the transforms add no name)
-    sblock (called in hk.scan)             sblock, one iteration: sblock[1]
+    Haiku module_name                        hookax key
+    mlp                                      mlp
+    mlp/~/linear_0                           mlp/linear_0
+    block/~encode/linear (made in encode)    block/~encode/linear  (the method: block:encode)
+    block (in hk.layer_stack(3, "layers"))   layers/block, one layer: layers/block[2]
+    block (the same, in tower's __call__)    tower/layers/block
+    vlin (in hk.vmap), rblock (in hk.remat)  vlin, rblock (the transforms add no name)
+    core (called in hk.scan)                 core, one iteration: core[1]
 
 Inside ``hk.layer_stack`` (and ``hk.lift``) Haiku runs the layer in a transform of its own, whose
 modules are named afresh (``block``); their parameters live under the lifting module's name
@@ -36,6 +37,7 @@ modules are named afresh (``block``); their parameters live under the lifting mo
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -132,16 +134,20 @@ class HaikuAdapter:
 
 ADAPTER = HaikuAdapter()
 
-_SITES: dict[tuple[type, str], bool] = {}
+# class -> method name -> whether it is a call site (weak: classes defined in a function die)
+_SITES: weakref.WeakKeyDictionary[type, dict[str, bool]] = weakref.WeakKeyDictionary()
 
 
 def _is_call_site(module: Any, name: str) -> bool:
     """``__call__`` and the public methods of the module's class (not properties, not
     ``hk.Module``'s own methods, not Haiku's internal modules)."""
     cls = type(module)
-    hit = _SITES.get((cls, name))
+    known = _SITES.get(cls)
+    if known is None:
+        known = _SITES[cls] = {}
+    hit = known.get(name)
     if hit is None:
-        hit = not issubclass(cls, _INTERNAL) and (
+        hit = known[name] = not issubclass(cls, _INTERNAL) and (
             name == "__call__"
             or (
                 name.isidentifier()
@@ -150,7 +156,6 @@ def _is_call_site(module: Any, name: str) -> bool:
                 and not isinstance(getattr(cls, name, None), property)
             )
         )
-        _SITES[(cls, name)] = hit
     return hit
 
 
