@@ -94,6 +94,7 @@ from ._util.errors import HookError as HookError
 from ._util.errors import SelectorError as SelectorError
 from ._util.errors import StoreError as StoreError
 from ._util.fnkey import RecompileWarning as RecompileWarning
+from .frameworks._functions import program as program
 
 try:
     __version__ = _metadata.version("hookax")
@@ -161,6 +162,7 @@ __all__ = [
     "plot_grad_flow",
     "plot_stats",
     "profile",
+    "program",
     "read_events",
     "register_forward_hook",
     "register_forward_pre_hook",

@@ -25,6 +25,7 @@ from .._engine import adapters as _adapters
 from .._engine.select import Where
 from .._transforms import tags as _tags
 from .._util.errors import HookaxError
+from ..frameworks._functions import as_program
 from . import capture as _capture
 
 __all__ = ["value_and_grad"]
@@ -196,6 +197,7 @@ def value_and_grad(
       >>> bool(jnp.allclose(act_grads[""][0], 2 * model(jnp.ones((3, 2)))))
       True
     """
+    fn = as_program(fn)  # a program without modules: its own call sites
     if not callable(fn):
         raise HookaxError(
             f"hx.value_and_grad expects a loss function, got {fn!r} of type "

@@ -13,7 +13,7 @@ import dataclasses
 import functools
 import types
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -34,8 +34,9 @@ from .._hooks import layergate as _layergate
 from .._transforms import tagrules as _tagrules
 from .._transforms import tags as _tags
 from .._util.errors import HookaxError
-from .._util.fnkey import FnKey
+from .._util.fnkey import FnKey, reachable
 from .._util.parts import with_axes
+from ..frameworks._functions import as_program
 from . import jitted as _jitted
 from . import ops as _ops
 
@@ -52,7 +53,9 @@ class _Marker:
 
     sid: int
     selector: Any
-    inputs: bool = False  # also mark the call's inputs (what forward pre-hooks see), "key:in"
+    # Also mark calls' inputs (what forward pre-hooks see) as "key:in": True for the selected
+    # call sites, or a Selector of the call sites whose inputs (only) are recorded too.
+    inputs: Any = False
     # The dispatcher runs recorders outside every interceptor: a capture records what the
     # caller received, whether the intercept block is inside or around the captured function.
     records_output = True
@@ -61,13 +64,41 @@ class _Marker:
         live = _tags.live_session(self.sid)
         if live is not None:
             live.seen.add((ctx.key, ctx.path_str))
-        if not self.selector.matches(ctx):
+        out_hit = self.selector.matches(ctx)
+        ins = self.selector if self.inputs is True else self.inputs or None
+        in_hit = out_hit if ins is self.selector else ins is not None and ins.matches(ctx)
+        if not out_hit and not in_hit:
             return next_fun(*args, **kwargs)
+        if live is not None:
+            live.matched = True
+            _check_collision(live, ctx)
+        keys = self._keys(self.selector, ctx, live) if out_hit else []
+        for key in self._keys(ins, ctx, live) if in_hit else []:
+            in_key = f"{key}:in"
+            if live is not None:
+                live.starts.setdefault(in_key)
+                if key in live.layered:
+                    site, layers, _ = live.layered[key]
+                    live.layered[in_key] = (site, layers, ":in")
+            if len(args) == 1:
+                args = (_tags.mark(args[0], self.sid, in_key),)
+            else:
+                args = _tags.mark(tuple(args), self.sid, in_key)
+        if live is not None:
+            for key in keys:
+                live.starts.setdefault(key)
+        out = next_fun(*args, **kwargs)
+        for key in keys:
+            out = self.tag(out, key)
+        return out
+
+    def _keys(self, selector: Any, ctx: Any, live: Any) -> list[str]:
+        """The keys ``selector`` records the call at: its key, or one layer of it per suffix."""
         keys = [ctx.key]
-        if self.selector.has_layers():
-            layers = self.selector.layers(ctx)
+        if selector.has_layers():
+            layers = selector.layers(ctx)
             if layers is None:  # the whole call site, and maybe layers of it named too
-                layers = self.selector.named_layers(ctx) or None
+                layers = selector.named_layers(ctx) or None
             else:
                 keys = []
             if layers is not None:
@@ -75,27 +106,7 @@ class _Marker:
                 keys.append(f"{ctx.key}[{','.join(map(str, sorted(layers)))}]")
                 if live is not None:
                     live.layered[keys[-1]] = (ctx.key, tuple(sorted(layers)), "")
-        if live is not None:
-            live.matched = True
-            _check_collision(live, ctx)
-        for key in keys:
-            if self.inputs:
-                in_key = f"{key}:in"
-                if live is not None:
-                    live.starts.setdefault(in_key)
-                    if key in live.layered:
-                        site, layers, _ = live.layered[key]
-                        live.layered[in_key] = (site, layers, ":in")
-                if len(args) == 1:
-                    args = (_tags.mark(args[0], self.sid, in_key),)
-                else:
-                    args = _tags.mark(tuple(args), self.sid, in_key)
-            if live is not None:
-                live.starts.setdefault(key)
-        out = next_fun(*args, **kwargs)
-        for key in keys:
-            out = self.tag(out, key)
-        return out
+        return keys
 
     def tag(self, out: Any, key: str) -> Any:
         """Mark what this capture session carries for a selected call site (``key``: its key,
@@ -144,8 +155,9 @@ class _Session:
         selector: Any,
         where: Any,
         ops: tuple[Any, ...] = (),
-        inputs: bool = False,
+        inputs: Any = False,
         marker: Callable[..., _Marker] = _Marker,
+        checked: Any = None,
     ) -> None:
         self.session = session
         self.selector = selector
@@ -153,13 +165,14 @@ class _Session:
         self.ops = ops
         self.inputs = inputs
         self.marker = marker
+        self.checked = selector if checked is None else checked  # what where= must match
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         s = self.session
         s.seen = set()
         s.matched = False
         if self.inputs:
-            marker = self.marker(s.sid, self.selector, True)
+            marker = self.marker(s.sid, self.selector, self.inputs)
         else:
             marker = self.marker(s.sid, self.selector)
         entry = _intercept.Entry("intercept", marker, _EVERY_CALL_SITE)
@@ -179,7 +192,7 @@ class _Session:
                 raise
         if s.mode == "reap":  # a differentiated run follows a measuring run that checked it
             if self.where is not _NO_SITES:
-                check_matched(s.who, self.where, self.selector, s, lambda: FnKey(fn))
+                check_matched(s.who, self.where, self.checked, s, lambda: FnKey(fn))
             if self.ops:
                 _ops.check_ops(s.who, self.ops, s.op_notes, lambda: FnKey(fn))
         return out
@@ -253,12 +266,32 @@ def session(
     ``while_steps``: the rows each ``while`` loop stacks its iterations into (None: last only);
     ``marker`` makes the interceptor from ``(sid, selector)``: a value-comparable
     :class:`_Marker`."""
-    if where is _NO_SITES:
+    outputs, named_inputs = split_inputs(where)
+    if outputs is _NO_SITES:
         selector: Any = _NONE_SELECTED
     else:
-        selector = as_selector(resolve_instances(where, (fn, args, kwargs)), CALL_ONLY)
+        selector = as_selector(resolve_instances(outputs, (fn, args, kwargs)), CALL_ONLY)
+    checked = selector
+    ins: Any = inputs
+    if named_inputs is not None:
+        ins = as_selector(resolve_instances(named_inputs, (fn, args, kwargs)), CALL_ONLY)
+        checked = ins if outputs is _NO_SITES else selector | ins
+        if inputs:
+            ins = selector | ins
     inner = _tags.Session(next_sid(), who, mode, probes, while_steps)
-    return _Session(inner, selector, where, ops, inputs, marker)
+    return _Session(inner, selector, where, ops, ins, marker, checked)
+
+
+def split_inputs(where: Any) -> tuple[Any, Any]:
+    """``where=`` as ``(call sites whose outputs are selected, those whose inputs are)``: a
+    ``"key:in"`` entry names a call site's input; the first part is :data:`_NO_SITES` when
+    every entry is one, the second None when none is."""
+    entries = list(where) if isinstance(where, list | tuple) else [where]
+    ins = [w[: -len(":in")] for w in entries if isinstance(w, str) and w.endswith(":in")]
+    if not ins:
+        return where, None
+    outs = [w for w in entries if not (isinstance(w, str) and w.endswith(":in"))]
+    return (outs if outs else _NO_SITES), ins
 
 
 # Linen's methods that take the variables: called on an unbound module, as they must be.
@@ -475,6 +508,7 @@ def capture(
     haiku = _adapters.haiku_transform_given("hx.capture", fn)
     if haiku is not None:
         raise haiku
+    fn = as_program(fn)  # a program without modules: its own call sites
     if not callable(fn):
         raise HookaxError(
             f"hx.capture expects a module or a function that calls modules, got {fn!r} of "
@@ -538,23 +572,4 @@ def _by_value(where: Any) -> bool:
     return isinstance(where, tuple | list) and all(_by_value(w) for w in where)
 
 
-def roots(fn: Any) -> Iterator[Any]:
-    """Objects the function reaches besides its arguments: itself, bound self, partial args."""
-    seen = 0
-    while seen < 8:
-        seen += 1
-        yield fn
-        if isinstance(fn, functools.partial):
-            yield fn.args
-            yield fn.keywords
-            fn = fn.func
-        elif hasattr(fn, "__self__"):
-            yield fn.__self__
-            fn = getattr(fn, "__func__", None)
-        else:
-            break
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            yield cell.cell_contents
-        except ValueError:  # an empty cell
-            continue
+roots = reachable  # objects a function reaches besides its arguments

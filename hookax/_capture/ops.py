@@ -294,7 +294,7 @@ def enter_site(frame: Any, ctx: Any, entries: list[Any], fn: Callable[..., Any])
     return cm, method
 
 
-_dispatch.site_scope[0] = enter_site  # the dispatcher's hook for ops= entries
+_dispatch.SITE_SCOPE.register(enter_site, __name__)
 
 
 def scope_chain(frame: Any) -> tuple[str, ...]:
@@ -354,11 +354,19 @@ def _check_ops(who: str, patterns: tuple[OpPattern, ...], notes: Notes) -> None:
                 f"{', '.join(map(repr, near))}. Fix: correct the path before the colon."
             )
         seen = list(notes.seen)
+        if not seen:
+            site, _, op = p.text.rpartition(":")
+            raise SelectorError(
+                f"{who}: ops={p.text!r} matched no operation: the call sites {site!r} names "
+                "ran no operation of their own (an operation belongs to the innermost call "
+                f"site around it). Fix: name the call site that holds it, or '**:{op}' for "
+                "every call site's (hx.ops(fn, *args) lists every address)."
+            )
         near = difflib.get_close_matches(p.text, seen, n=8, cutoff=0.0) or seen[:8]
         raise SelectorError(
             f"{who}: ops={p.text!r} matched no operation in the call sites it names; operations "
             f"that ran there include {', '.join(map(repr, near))}. Fix: use one of these "
-            f"addresses (hx.ops(model, x) lists them all)."
+            f"addresses (hx.ops(fn, *args) lists them all)."
         )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from .._engine import adapters as _adapters
 from .._engine.select import ALL_METHODS, Where, as_selector, resolve_instances
+from ..frameworks._functions import as_program
 from .ops import Listing, OpHandler, OpPattern, OpRow, named_softmax
 
 __all__ = ["Ops", "ops"]
@@ -141,6 +142,7 @@ def ops(fn: Callable[..., Any], *args: Any, where: Where = None, **kwargs: Any) 
       >>> [(r.address, r.within) for r in table if r.name in names]
       [('lin:dot_general', ''), (':softmax', ''), (':exp', ':softmax'), (':exp#1', '')]
     """
+    fn = as_program(fn)  # a program without modules: its own call sites
     from .._hooks.intercept import Entry, tracked
     from .actgrad import eval_shape, framework_mode, is_nnx_module
     from .capture import check_variables

@@ -20,7 +20,7 @@ import re
 import sys
 from typing import Any
 
-__all__ = ["call_problem", "in_flags", "public_methods", "where_error"]
+__all__ = ["call_problem", "function_problem", "in_flags", "public_methods", "where_error"]
 
 # keyword argument -> flag
 FLAGS = {
@@ -133,6 +133,25 @@ def call_problem(
         return_annotation=sig.empty,
     )
     return _argument_problem(f"{name}.{method}{plain}", sig, args, kwargs)
+
+
+def function_problem(
+    fn: Any, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
+    """What is wrong with calling a program without modules, ``fn(*args, **kwargs)`` (its
+    leading arguments from the factory, then the ``--input``\\ s), in the command's flags."""
+    name = getattr(fn, "__name__", type(fn).__name__)
+    if method != "__call__":
+        return f"--method {method!r}: {name} is a function (a program without modules)"
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature
+        return None
+    plain = sig.replace(
+        parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+        return_annotation=sig.empty,
+    )
+    return _argument_problem(f"{name}{plain}", sig, args, kwargs)
 
 
 def _argument_problem(

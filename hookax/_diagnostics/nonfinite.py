@@ -24,6 +24,7 @@ from .._engine.select import Where
 from .._patching import compiled
 from .._util import nnxsplit
 from .._util.errors import HookaxError
+from ..frameworks._functions import as_program
 from . import stats as _stats
 
 __all__ = ["Nonfinite", "find_nonfinite"]
@@ -237,6 +238,7 @@ def find_nonfinite(
       forward: the output of 'layers/1' holds 4 non-finite values
       ('layers/0' just before it ...)
     """
+    loss_fn = as_program(loss_fn)  # a program without modules: its own call sites
     if not callable(loss_fn):
         raise HookaxError(
             f"{WHO} expects the step's loss function and its arguments, got {loss_fn!r} of type "

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .._util.errors import HookaxError
+from ..frameworks._functions import as_program
 from . import xplane
 from .profview import Profile, ProfileRow
 from .scopes import SiteLog, place
@@ -92,6 +93,7 @@ def profile(
       ...     - p.step_ms) < 1e-9
       True
     """
+    step = as_program(step)  # a program without modules: its own call sites
     _check(step, runs, warmup)
     import jax
 

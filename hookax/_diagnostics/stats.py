@@ -37,6 +37,7 @@ from .._capture import capture as _capture
 from .._engine.select import Where
 from .._transforms import tags as _tags
 from .._util.errors import HookaxError
+from ..frameworks._functions import as_program
 from .statsview import Stats
 
 __all__ = ["DEFAULT_STATS", "STATS", "StatsMarker", "layer_axes", "value_grad_and_stats"]
@@ -292,6 +293,7 @@ def value_grad_and_stats(
       >>> bool(jnp.allclose(stats[""]["grad"]["norm"], 2 * stats[""]["act"]["norm"]))
       True
     """
+    fn = as_program(fn)  # a program without modules: its own call sites
     if not callable(fn):
         raise HookaxError(
             f"{WHO} expects a loss function, got {fn!r} of type {type(fn).__name__}. Fix: "

@@ -52,6 +52,8 @@ _FRAMEWORKS: tuple[tuple[str, str, str], ...] = (
     ("linen", "flax.linen", "_linen"),
     ("equinox", "equinox", "_equinox"),
     ("haiku", "haiku", "_haiku"),
+    # Programs without modules: their functions' calls and named scopes (jax is always there).
+    ("functions", "jax", "_functions"),
 )
 
 

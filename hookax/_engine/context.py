@@ -22,6 +22,7 @@ from typing import Any
 import jax
 
 from .._util.jaxcompat import core as _jax_core
+from .plugins import Slot
 
 __all__ = ["ACTIVE", "Context", "Frame", "active_entries", "call_stack", "path_str"]
 
@@ -256,8 +257,12 @@ def _parent(trace: Any) -> Any:
     return parent if parent is not None else getattr(trace, "parent", None)
 
 
-# Set by :mod:`hookax._hooks.layergate`: ``fn(frame) -> traced int | None``.
-layer_of: list[Callable[[Frame], Any]] = [lambda frame: None]
+LAYER_OF: Slot[Callable[[Frame], Any]] = Slot(
+    "layer_of",
+    lambda frame: None,
+    "layer_of(frame) -> traced int | None: the scan iteration a call site runs in "
+    "(hx.Context.layer).",
+)
 
 
 class Frame:
@@ -474,7 +479,7 @@ class Context:
         """The iteration of the scan this call site runs in (one layer of a scanned stack), as a
         traced ``int32`` scalar; ``None`` when the call site is not inside a ``lax.scan``
         (``nnx.scan``, ``nn.scan``) entered within the model's call."""
-        return layer_of[0](self._frame)
+        return LAYER_OF.fn(self._frame)
 
     def __repr__(self) -> str:
         return (

@@ -19,6 +19,7 @@ from typing import Any
 from .._capture.capture import _DEFAULT, validate_while_steps, where_and_ops
 from .._engine.select import Where
 from .._util.errors import HookaxError
+from ..frameworks._functions import as_program
 
 __all__ = ["Harvest", "harvest"]
 
@@ -230,6 +231,7 @@ def harvest(
       >>> h.rows, h.read("layers/0").shape, str(h.read("layers/0").dtype)
       (6, (6, 8), 'bfloat16')
     """
+    fn = as_program(fn)  # a program without modules: its own call sites
     t0 = time.perf_counter()
     import jax
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from .._engine.select import Where
 from .._util.errors import HookaxError
+from ..frameworks._functions import as_program
 
 __all__ = ["Splice", "splice_eval"]
 
@@ -117,6 +118,7 @@ def splice_eval(
       >>> zero.recovered
       0.0
     """
+    loss_fn = as_program(loss_fn)  # a program without modules: its own call sites
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from .._capture.actgrad import _differentiate, _mode, value_and_grad
 from .._engine.select import Where
 from .._util import nnxsplit
+from ..frameworks._functions import as_program
 from . import compiled, targets
 from .grid import Plan, capture_targets
 from .heads import patch_mask
@@ -220,6 +221,8 @@ def attribution_patch(
       >>> bool(jnp.allclose(est, exact - metric(model(corrupt))))  # exact for a linear metric
       True
     """
+
+    fn = as_program(fn)  # a program without modules: its own call sites
 
     def run() -> jax.Array:
         plan = Plan(WHO, fn, clean_args, corrupt_args, metric, where, positions, axis, ops, heads)

@@ -29,6 +29,7 @@ from .._capture.capture import capture
 from .._capture.ops import intercept_op
 from .._engine.select import Where
 from .._util.errors import HookaxError
+from ..frameworks._functions import as_program
 from . import compiled, cutgrid, targets
 from .heads import check_heads, discover_ops, full_mask, op_edit
 from .patch import PatchError, patching, split_input
@@ -434,6 +435,7 @@ def patch_grid(
       >>> by_head.shape                                  # (target, head, position)
       (1, 2, 3)
     """
+    fn = as_program(fn)  # a program without modules: its own call sites
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise PatchError(f"{WHO}: chunk_size= takes a positive int or None, got {chunk_size!r}.")
 

@@ -11,10 +11,12 @@ anything else compares by identity, and the key holds a reference so the id cann
 
 from __future__ import annotations
 
+import functools
 import types
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["FnKey", "RecompileWarning", "note_fresh"]
+__all__ = ["FnKey", "RecompileWarning", "note_fresh", "reachable"]
 
 _BY_VALUE = (int, float, complex, str, bytes, bool, type(None), type, types.CodeType, range)
 _MAX_DEPTH = 4
@@ -66,6 +68,8 @@ def _fn_key(fn: Any, depth: int = 0) -> Any:
         )
     if isinstance(fn, types.MethodType):
         return ("method", _fn_key(fn.__func__, depth + 1), _Id(fn.__self__))
+    if getattr(type(fn), "__hookax_program__", False):  # hx.program(f): keyed as f is
+        return ("program", _fn_key(fn.fn, depth + 1))
     return _Id(fn)
 
 
@@ -231,3 +235,25 @@ def _changed_cells(fn: Any) -> str:
         if not isinstance(v, _BY_VALUE) or isinstance(v, float | int):
             kinds.append(f"{name} ({type(v).__name__})")
     return f" (closing over {', '.join(kinds)})" if kinds else ""
+
+
+def reachable(fn: Any) -> Iterator[Any]:
+    """Objects the function reaches besides its arguments: itself, bound self, partial args."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        yield fn
+        if isinstance(fn, functools.partial):
+            yield fn.args
+            yield fn.keywords
+            fn = fn.func
+        elif hasattr(fn, "__self__"):
+            yield fn.__self__
+            fn = getattr(fn, "__func__", None)
+        else:
+            break
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            yield cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
