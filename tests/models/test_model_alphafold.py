@@ -322,6 +322,15 @@ def test_the_reference_is_the_model(model: Model) -> None:
             assert float(jnp.max(p)) < 0.999, name
 
 
+def test_summary_parameter_count(model: Model) -> None:
+    """``hx.summary`` of the transformed stack counts its parameters (the stacked weights of
+    the 3 blocks) as the parameter tree holds them, abstractly."""
+    s = hx.summary(EVOFORMER, *model.clean)
+    n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(model.params))
+    assert s.totals.params == n, (s.totals.params, n)
+    mc.record(NAME, "summary params", f"exact ({n:,})")
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_attention_probabilities_by_head(model: Model, mode: str) -> None:
     """``ops="evoformer_iteration/*/attention:softmax"`` captures the row, column and both
