@@ -209,8 +209,6 @@ _NOT_CALLS = frozenset(
 )
 _GENERATOR = 0x20 | 0x80 | 0x200  # CO_GENERATOR | CO_COROUTINE | CO_ASYNC_GENERATOR
 _USER: dict[types.CodeType, bool] = {}
-# Code typed by a person (a doctest, the REPL, an IPython console), not generated code
-# (``<string>``: dataclasses' ``__init__``, namedtuples).
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ()))
 
 

@@ -191,7 +191,21 @@ def as_program(fn: Callable[..., Any]) -> Callable[..., Any]:
     """
     if isinstance(fn, _ProgramFn) or not callable(fn) or _mentions_module(fn, (), {}):
         return fn
-    return _ProgramFn(fn)
+    # The same wrapper for the same function (the last few): caches keyed by the wrapper's id
+    # (a capture of a jitted function made anew per step) hit. A wrapper holds its function, so
+    # the table is bounded rather than weak.
+    with _LOCK:
+        hit = _WRAPPERS.get(id(fn))
+        if hit is not None and hit.fn is fn:
+            _WRAPPERS.move_to_end(id(fn))
+            return hit
+        hit = _WRAPPERS[id(fn)] = _ProgramFn(fn)
+        while len(_WRAPPERS) > _CACHE_SIZE:
+            _WRAPPERS.popitem(last=False)
+    return hit
+
+
+_WRAPPERS: collections.OrderedDict[int, _ProgramFn] = collections.OrderedDict()
 
 
 class _ProgramFn:
