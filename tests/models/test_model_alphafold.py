@@ -11,8 +11,10 @@ The reference runs the same blocks one by one (``hk.transform`` of one ``Evoform
 given block ``i``'s slice of the stacked parameters), with each edit written into that loop; the
 attention probabilities are recomputed by hand from the query and key data each ``Attention``
 call receives (read with Haiku's own ``hk.intercept_methods``) and the parameters it reads.
-Each check runs eagerly and under ``jax.jit``. Runs where ``alphafold`` is installed
-(``nox -s models``, Python 3.11); skipped elsewhere.
+Each check runs eagerly and under ``jax.jit``; the probabilities also under AlphaFold's default
+sub-batching (each attention in chunks of 4 rows). In ColabFold's whole model (``RunModel``)
+the same keys sit under ``alphafold/alphafold_iteration/evoformer/`` (``docs/models.md``). Runs
+where ``alphafold`` is installed (``nox -s models``, Python 3.11 and 3.12); skipped elsewhere.
 """
 
 from __future__ import annotations
