@@ -1,0 +1,428 @@
+"""Programs without modules (and Haiku): what hookax costs a program it has to trace for call sites.
+
+Model: the plain-function Llama of ``tests/models/jaxllm_like.py`` (functions over a weight
+pytree, ``jax.named_scope`` blocks, a Python loop over layers; its ``lax.scan`` twin over stacked
+layers for the HLO check): 4 layers, d_model 128, 4 query heads / 2 key-value heads of 32, MLP
+256, vocabulary 256, one prompt of 32 tokens, float32. Four measurements, each against the same
+program without hookax, side by side in one run:
+
+1. ``hlo``: the program under ``jax.jit`` with a no-op ``hx.intercept`` (and with ``hx.hooks``
+   holding a forward hook that returns None) active, through ``hx.program(forward)``, lowers to
+   the same StableHLO and compiles to the same optimized HLO as ``jax.jit(forward)`` (texts
+   compared without debug information; with it, the differing lines are counted).
+2. ``grid``: ``hx.patch_grid(forward, ..., where="forward_layer/*.0")`` (layers x positions,
+   each layer's residual output) against the same grid written by hand: one ``jax.jit`` program,
+   per layer the forward with that layer's residual at position p replaced by the clean run's,
+   ``jax.vmap`` over p; warm calls, round-robin, min of the rounds (goal: <= 1.2x).
+3. ``first``: the first call (trace + compile + run) of ``jax.jit`` over
+   ``hx.capture(forward, where="forward_layer/*")`` against a hand-written ``jax.jit`` forward
+   returning the same values (the logits, the caches and every layer's output), each in fresh
+   processes, hand first then hookax first, twice; min of the four (goal: <= 1.3x).
+4. ``idle``: the eager forward (no jit) in a process that never imported hookax against one
+   that did (and entered and left a hookax block), processes alternated, the median of their
+   fastest calls; and ``hx.program(forward)`` called outside any hookax block against
+   ``forward``, in one process, round-robin, min (goal: <= 1.03x each).
+
+Run: ``python -m benchmarks programs --json out.json``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks._timing import interleaved, table
+
+ROOT = Path(__file__).resolve().parent.parent
+SEQ = 32
+PAIRS = 2  # fresh processes per first-call figure: hand first, hookax first, PAIRS times
+IDLE_PROCS = 3  # fresh processes per side of the import cost
+
+
+def _jl() -> Any:
+    """``tests/models/jaxllm_like.py`` (a test model, not a package of its own)."""
+    models = str(ROOT / "tests" / "models")
+    if models not in sys.path:
+        sys.path.insert(0, models)
+    import jaxllm_like
+
+    return jaxllm_like
+
+
+def _llama() -> dict[str, Any]:
+    import jax
+
+    jl = _jl()
+    cfg = jl.Config(
+        embed=128,
+        ffw_size=256,
+        q_heads=4,
+        kv_heads=2,
+        num_layers=4,
+        head_dim=32,
+        vocab_size=256,
+        max_seq_len=SEQ,
+    )
+    weights = jl.init_weights(jax.random.key(0), cfg)
+    clean = jax.random.randint(jax.random.key(1), (1, SEQ), 0, cfg.vocab_size)
+    corrupt = clean.at[:, SEQ // 3].set((clean[:, SEQ // 3] + 1) % cfg.vocab_size)
+    seg = jl.segments(clean)
+    jax.block_until_ready((weights, clean, corrupt, seg))
+    return {"jl": jl, "cfg": cfg, "weights": weights, "clean": clean, "corrupt": corrupt, "seg": seg}
+
+
+def noop_interceptor(next_fun: Any, args: tuple, kwargs: dict, context: Any) -> Any:
+    return next_fun(*args, **kwargs)
+
+
+def noop_forward(module: Any, args: tuple, out: Any) -> None:
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. No-op hooks under jax.jit: the same program
+
+
+def _strip_hlo(hlo: str) -> str:
+    """Optimized HLO text without debug information: op metadata, source-location tables,
+    module name."""
+    hlo = hlo.split("\nFileNames", 1)[0]
+    hlo = re.sub(r", metadata=\{[^}]*\}", "", hlo)
+    return re.sub(r"^HloModule \S+", "HloModule m", hlo, flags=re.M)
+
+
+def _diff(a: str, b: str) -> int:
+    """Lines added or removed between two texts."""
+    return sum(
+        1
+        for line in difflib.unified_diff(a.splitlines(), b.splitlines(), lineterm="", n=0)
+        if line[:1] in "+-" and line[:3] not in ("+++", "---")
+    )
+
+
+def compare_programs(plain: Any, hooked: Any) -> dict[str, Any]:
+    """``jax.stages.Lowered`` of the program without and with hookax: whether the StableHLO
+    and the optimized HLO are the same (without debug information), and how many lines differ
+    with it."""
+    a, b = plain.as_text(), hooked.as_text()
+    da, db = plain.as_text(debug_info=True), hooked.as_text(debug_info=True)
+    ca, cb = plain.compile().as_text(), hooked.compile().as_text()
+    return {
+        "stablehlo_same": a == b,
+        "stablehlo_diff_lines": _diff(a, b),
+        "hlo_same": _strip_hlo(ca) == _strip_hlo(cb),
+        "hlo_diff_lines": _diff(_strip_hlo(ca), _strip_hlo(cb)),
+        "debug_info_diff_lines": _diff(da, db) + _diff(ca, cb),
+    }
+
+
+def llama_hlo(s: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    import jax
+
+    import hookax as hx
+
+    jl, cfg, w = s["jl"], s["cfg"], s["weights"]
+    args = (s["clean"], s["seg"])
+    out: dict[str, dict[str, Any]] = {}
+    for name, fn, weights in (
+        ("llama loop", jl.forward, w),
+        ("llama scan", jl.forward_scan, jl.stack_layers(w)),
+    ):
+        prog = hx.program(fn)
+        plain = jax.jit(lambda t, g, w, fn=fn: fn(t, g, w, cfg)).lower(*args, weights)
+        for scope, block in (
+            ("intercept", lambda: hx.intercept(noop_interceptor)),
+            ("hooks", lambda: hx.hooks(forward=noop_forward)),
+        ):
+            with block():
+                hooked = jax.jit(lambda t, g, w, p=prog: p(t, g, w, cfg)).lower(*args, weights)
+            out[f"{name}, {scope}"] = compare_programs(plain, hooked)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. A patch grid against the same grid written by hand
+
+
+def _hand_layers(jl: Any, cfg: Any, tokens: Any, seg: Any, weights: Any, edit: Any = None) -> Any:
+    """``forward`` written out with ``forward_layer`` called by hand: ``(logits, keys/values)``
+    and every layer's ``(residual, (keys, values))``; ``edit(i, x)`` replaces layer ``i``'s
+    residual where the next layer reads it."""
+    x, sin, cos = jl.ref_embed_and_positions(tokens, seg, weights, cfg, None)
+    outs = []
+    for idx, layer in enumerate(weights.layers):
+        x, kv = jl.forward_layer(x, layer, seg, sin, cos, idx, cfg)
+        if edit is not None:
+            x = edit(idx, x)
+        outs.append((x, kv))
+    logits = jl.einsum("btd,dv->btv", jl.rms_norm(x, weights.gamma_final, cfg.norm_eps),
+                       weights.lm_head)  # fmt: skip
+    return (logits, [kv for _, kv in outs]), outs
+
+
+def hand_grid(jl: Any, cfg: Any) -> Any:
+    """``(weights, clean, corrupt) -> [layer, position]``: one jitted program, per layer a
+    ``vmap`` over positions of the corrupted forward with that layer's residual at the
+    position replaced by the clean run's."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def grid(weights: Any, clean: Any, corrupt: Any) -> Any:
+        seg = jl.segments(clean)
+        _, clean_outs = _hand_layers(jl, cfg, clean, seg, weights)
+        pos = jnp.arange(clean.shape[1])
+        rows = []
+        for layer in range(cfg.num_layers):
+
+            def cell(p: Any, layer: int = layer) -> Any:
+                def edit(i: int, x: Any) -> Any:
+                    if i != layer:
+                        return x
+                    return jnp.where((pos == p)[None, :, None], clean_outs[i][0], x)
+
+                return jl.metric(_hand_layers(jl, cfg, corrupt, seg, weights, edit)[0])
+
+            rows.append(jax.vmap(cell)(pos))
+        return jnp.stack(rows)
+
+    return grid
+
+
+def llama_grid(s: dict[str, Any], rounds: int) -> dict[str, float]:
+    import jax
+    import numpy as np
+
+    import hookax as hx
+
+    jl, cfg, w = s["jl"], s["cfg"], s["weights"]
+    clean_args = (s["clean"], s["seg"], w, cfg)
+    corrupt_args = (s["corrupt"], s["seg"], w, cfg)
+    hand = hand_grid(jl, cfg)
+
+    def hookax_grid() -> Any:
+        return jax.block_until_ready(
+            hx.patch_grid(jl.forward, clean_args, corrupt_args, jl.metric, where="forward_layer/*.0")
+        )
+
+    def hand_run() -> Any:
+        return jax.block_until_ready(hand(w, s["clean"], s["corrupt"]))
+
+    got, want = np.asarray(hookax_grid()), np.asarray(hand_run())
+    assert got.shape == want.shape == (cfg.num_layers, SEQ), (got.shape, want.shape)
+    t = interleaved(
+        {"hookax": hookax_grid, "hand": hand_run}, rounds=rounds, inner=3, stat=min
+    )
+    return {
+        "grid_s": t["hookax"],
+        "hand_grid_s": t["hand"],
+        "ratio": t["hookax"] / t["hand"],
+        "max_abs_diff": float(np.max(np.abs(got - want))),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. First calls, each in fresh processes
+
+
+def _seconds(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def first_child(model: str, hand_first: bool) -> dict[str, float]:
+    """In this fresh process: the first call of the hand-written jitted forward and of
+    ``jax.jit`` over ``hx.capture``, in the order asked."""
+    import jax
+    import jax.numpy as jnp
+
+    import hookax as hx
+
+    if model != "llama":
+        return _haiku_first(model, hand_first)
+    s = _llama()
+    jl, cfg = s["jl"], s["cfg"]
+    args = (s["clean"], s["seg"], s["weights"])
+    jax.block_until_ready(jnp.ones(3) + 1)  # the backend is up for both sides
+    sides = {
+        "hand": jax.jit(lambda t, g, w: _hand_layers(jl, cfg, t, g, w)),
+        "hookax": jax.jit(
+            lambda t, g, w: hx.capture(jl.forward, where="forward_layer/*")(t, g, w, cfg)
+        ),
+    }
+    out: dict[str, float] = {}
+    for side in ("hand", "hookax") if hand_first else ("hookax", "hand"):
+        out[f"{side}.first_s"] = _seconds(lambda side=side: jax.block_until_ready(sides[side](*args)))
+    for side in sides:
+        out[f"{side}.warm_s"] = min(
+            _seconds(lambda side=side: jax.block_until_ready(sides[side](*args))) for _ in range(5)
+        )
+    return out
+
+
+def _run_child(*args: str) -> Any:
+    cmd = [sys.executable, "-m", "benchmarks.bench_programs", *args]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def first_calls(model: str) -> dict[str, float]:
+    runs = [_run_child("first", model, str(h)) for h in (True, False) * PAIRS]
+    best = {k: min(r[k] for r in runs) for k in runs[0]}
+    return {
+        "first_s": best["hookax.first_s"],
+        "hand_first_s": best["hand.first_s"],
+        "ratio": best["hookax.first_s"] / best["hand.first_s"],
+        "warm_s": best["hookax.warm_s"],
+        "hand_warm_s": best["hand.warm_s"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The eager program while hookax is idle
+
+
+def idle_child(mode: str) -> dict[str, float]:
+    """The fastest eager forward in this process: ``plain`` never imports hookax; ``imported``
+    imports it and enters and leaves a no-op ``hx.intercept`` first."""
+    import jax
+
+    if mode == "imported":
+        import hookax as hx
+
+        with hx.intercept(noop_interceptor):
+            pass
+    s = _llama()
+    jl, cfg = s["jl"], s["cfg"]
+    args = (s["clean"], s["seg"], s["weights"], cfg)
+
+    def call() -> None:
+        jax.block_until_ready(jl.forward(*args))
+
+    for _ in range(3):
+        call()
+    times = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        for _ in range(3):
+            call()
+        times.append((time.perf_counter() - t0) / 3)
+    return {"eager_s": min(times)}
+
+
+def idle_costs(s: dict[str, Any], rounds: int) -> dict[str, float]:
+    import jax
+
+    import hookax as hx
+
+    runs: dict[str, list[float]] = {"plain": [], "imported": []}
+    for _ in range(IDLE_PROCS):
+        for mode in runs:
+            runs[mode].append(_run_child("idle", mode)["eager_s"])
+    plain, imported = statistics.median(runs["plain"]), statistics.median(runs["imported"])
+    jl, cfg = s["jl"], s["cfg"]
+    args = (s["clean"], s["seg"], s["weights"], cfg)
+    prog = hx.program(jl.forward)
+    t = interleaved(
+        {
+            "forward": lambda: jax.block_until_ready(jl.forward(*args)),
+            "hx.program(forward)": lambda: jax.block_until_ready(prog(*args)),
+        },
+        rounds=rounds,
+        inner=3,
+        stat=min,
+    )
+    return {
+        "not_imported_s": plain,
+        "imported_s": imported,
+        "import_ratio": imported / plain,
+        "forward_s": t["forward"],
+        "program_s": t["hx.program(forward)"],
+        "program_ratio": t["hx.program(forward)"] / t["forward"],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Haiku
+
+
+def _haiku_first(model: str, hand_first: bool) -> dict[str, float]:
+    raise NotImplementedError(model)
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(rounds: int = 7) -> dict[str, Any]:
+    import flax
+    import jax
+
+    versions = f"jax {jax.__version__}, flax {flax.__version__}"
+    try:
+        import haiku
+
+        versions += f", dm-haiku {haiku.__version__}"
+    except ImportError:
+        pass
+    print(f"CPU ({os.cpu_count()} cores), {versions}; load average {os.getloadavg()[0]:.1f}")
+    results: dict[str, Any] = {}
+    s = _llama()
+    hlo = llama_hlo(s)
+    results.update({f"hlo.{k}.{f}": v for k, r in hlo.items() for f, v in r.items()})
+    rows = [
+        (
+            name,
+            "identical" if r["stablehlo_same"] else f"{r['stablehlo_diff_lines']} lines differ",
+            "identical" if r["hlo_same"] else f"{r['hlo_diff_lines']} lines differ",
+            str(r["debug_info_diff_lines"]),
+        )
+        for name, r in hlo.items()
+    ]
+    print("\n1. no-op hookax block under jax.jit vs the plain program (texts w/o debug info)")
+    print(table(rows, ("program, block", "StableHLO", "optimized HLO", "debug-info lines")))
+
+    grid = llama_grid(s, rounds)
+    results.update({f"grid.llama.{k}": v for k, v in grid.items()})
+    first = first_calls("llama")
+    results.update({f"first.llama.{k}": v for k, v in first.items()})
+    idle = idle_costs(s, rounds)
+    results.update({f"idle.llama.{k}": v for k, v in idle.items()})
+
+    ratio_rows = [
+        ("patch grid / hand vmapped grid", "llama", f"{grid['grid_s'] * 1e3:.1f} ms",
+         f"{grid['hand_grid_s'] * 1e3:.1f} ms", f"{grid['ratio']:.2f}", "1.2"),
+        ("first call: jit(capture) / hand jit", "llama", f"{first['first_s']:.2f} s",
+         f"{first['hand_first_s']:.2f} s", f"{first['ratio']:.2f}", "1.3"),
+        ("eager: hookax imported / not", "llama", f"{idle['imported_s'] * 1e3:.2f} ms",
+         f"{idle['not_imported_s'] * 1e3:.2f} ms", f"{idle['import_ratio']:.3f}", "1.03"),
+        ("eager: hx.program(f) idle / f", "llama", f"{idle['program_s'] * 1e3:.2f} ms",
+         f"{idle['forward_s'] * 1e3:.2f} ms", f"{idle['program_ratio']:.3f}", "1.03"),
+    ]  # fmt: skip
+    print(f"\n2-4. ratios (load average {os.getloadavg()[0]:.1f})")
+    print(table(ratio_rows, ("measure", "model", "hookax", "without", "ratio", "goal")))
+    print(
+        f"grid: largest |hookax - hand| {grid['max_abs_diff']:.1e}; warm jit(capture) "
+        f"{first['warm_s'] * 1e3:.2f} ms vs hand {first['hand_warm_s'] * 1e3:.2f} ms"
+    )
+    return results
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "first":
+        print(json.dumps(first_child(sys.argv[2], sys.argv[3] == "True")))
+    elif sys.argv[1] == "idle":
+        print(json.dumps(idle_child(sys.argv[2])))
+    else:
+        main()
