@@ -45,6 +45,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SEQ = 32
 PAIRS = 2  # fresh processes per first-call figure: hand first, hookax first, PAIRS times
 IDLE_PROCS = 3  # fresh processes per side of the import cost
+IDLE_SAMPLES = 40  # eager forwards timed per process (and as many runs of OPS scalar additions)
+OPS = 200
 
 
 def _jl() -> Any:
@@ -76,7 +78,14 @@ def _llama() -> dict[str, Any]:
     corrupt = clean.at[:, SEQ // 3].set((clean[:, SEQ // 3] + 1) % cfg.vocab_size)
     seg = jl.segments(clean)
     jax.block_until_ready((weights, clean, corrupt, seg))
-    return {"jl": jl, "cfg": cfg, "weights": weights, "clean": clean, "corrupt": corrupt, "seg": seg}
+    return {
+        "jl": jl,
+        "cfg": cfg,
+        "weights": weights,
+        "clean": clean,
+        "corrupt": corrupt,
+        "seg": seg,
+    }
 
 
 def noop_interceptor(next_fun: Any, args: tuple, kwargs: dict, context: Any) -> Any:
@@ -210,7 +219,9 @@ def llama_grid(s: dict[str, Any], rounds: int) -> dict[str, float]:
 
     def hookax_grid() -> Any:
         return jax.block_until_ready(
-            hx.patch_grid(jl.forward, clean_args, corrupt_args, jl.metric, where="forward_layer/*.0")
+            hx.patch_grid(
+                jl.forward, clean_args, corrupt_args, jl.metric, where="forward_layer/*.0"
+            )
         )
 
     def hand_run() -> Any:
@@ -218,9 +229,7 @@ def llama_grid(s: dict[str, Any], rounds: int) -> dict[str, float]:
 
     got, want = np.asarray(hookax_grid()), np.asarray(hand_run())
     assert got.shape == want.shape == (cfg.num_layers, SEQ), (got.shape, want.shape)
-    t = interleaved(
-        {"hookax": hookax_grid, "hand": hand_run}, rounds=rounds, inner=3, stat=min
-    )
+    t = interleaved({"hookax": hookax_grid, "hand": hand_run}, rounds=rounds, inner=3, stat=min)
     return {
         "grid_s": t["hookax"],
         "hand_grid_s": t["hand"],
@@ -261,7 +270,9 @@ def first_child(model: str, hand_first: bool) -> dict[str, float]:
     }
     out: dict[str, float] = {}
     for side in ("hand", "hookax") if hand_first else ("hookax", "hand"):
-        out[f"{side}.first_s"] = _seconds(lambda side=side: jax.block_until_ready(sides[side](*args)))
+        out[f"{side}.first_s"] = _seconds(
+            lambda side=side: jax.block_until_ready(sides[side](*args))
+        )
     for side in sides:
         out[f"{side}.warm_s"] = min(
             _seconds(lambda side=side: jax.block_until_ready(sides[side](*args))) for _ in range(5)
@@ -271,8 +282,10 @@ def first_child(model: str, hand_first: bool) -> dict[str, float]:
 
 def _run_child(*args: str) -> Any:
     cmd = [sys.executable, "-m", "benchmarks.bench_programs", *args]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, check=False)
+    # This process's hookax and benchmarks first (its PYTHONPATH, its working directory).
+    paths = [os.environ.get("PYTHONPATH", ""), os.getcwd(), str(ROOT)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -298,6 +311,7 @@ def idle_child(mode: str) -> dict[str, float]:
     """The fastest eager forward in this process: ``plain`` never imports hookax; ``imported``
     imports it and enters and leaves a no-op ``hx.intercept`` first."""
     import jax
+    import jax.numpy as jnp
 
     if mode == "imported":
         import hookax as hx
@@ -311,27 +325,36 @@ def idle_child(mode: str) -> dict[str, float]:
     def call() -> None:
         jax.block_until_ready(jl.forward(*args))
 
+    x = jnp.float32(1.0)
+
+    def ops() -> None:
+        y = x
+        for _ in range(OPS):
+            y = y + 1.0
+        jax.block_until_ready(y)
+
     for _ in range(3):
         call()
-    times = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        for _ in range(3):
-            call()
-        times.append((time.perf_counter() - t0) / 3)
-    return {"eager_s": min(times)}
+        ops()
+    forward, per_op = [], []
+    for _ in range(IDLE_SAMPLES):  # alternated, so a disturbance hits both alike
+        forward.append(_seconds(call))
+        per_op.append(_seconds(ops) / OPS)
+    return {"eager_s": min(forward), "op_s": min(per_op)}
 
 
-def idle_costs(s: dict[str, Any], rounds: int) -> dict[str, float]:
+def idle_costs(s: dict[str, Any], rounds: int) -> dict[str, Any]:
+    """The import cost (fresh processes, alternated; the median of each process's fastest
+    call) and ``hx.program(forward)`` idle vs ``forward`` (one process, round-robin, min)."""
     import jax
 
     import hookax as hx
 
-    runs: dict[str, list[float]] = {"plain": [], "imported": []}
+    runs: dict[str, list[dict[str, float]]] = {"plain": [], "imported": []}
     for _ in range(IDLE_PROCS):
         for mode in runs:
-            runs[mode].append(_run_child("idle", mode)["eager_s"])
-    plain, imported = statistics.median(runs["plain"]), statistics.median(runs["imported"])
+            runs[mode].append(_run_child("idle", mode))
+    med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
     jl, cfg = s["jl"], s["cfg"]
     args = (s["clean"], s["seg"], s["weights"], cfg)
     prog = hx.program(jl.forward)
@@ -341,13 +364,19 @@ def idle_costs(s: dict[str, Any], rounds: int) -> dict[str, float]:
             "hx.program(forward)": lambda: jax.block_until_ready(prog(*args)),
         },
         rounds=rounds,
-        inner=3,
+        inner=2,
         stat=min,
     )
     return {
-        "not_imported_s": plain,
-        "imported_s": imported,
-        "import_ratio": imported / plain,
+        "not_imported_s": med["plain"]["eager_s"],
+        "imported_s": med["imported"]["eager_s"],
+        "import_ratio": med["imported"]["eager_s"] / med["plain"]["eager_s"],
+        "import_ratios_by_process": [
+            i["eager_s"] / p["eager_s"] for i, p in zip(runs["imported"], runs["plain"])
+        ],
+        "op_not_imported_s": med["plain"]["op_s"],
+        "op_imported_s": med["imported"]["op_s"],
+        "op_ratio": med["imported"]["op_s"] / med["plain"]["op_s"],
         "forward_s": t["forward"],
         "program_s": t["hx.program(forward)"],
         "program_ratio": t["hx.program(forward)"] / t["forward"],
@@ -355,11 +384,207 @@ def idle_costs(s: dict[str, Any], rounds: int) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Haiku
+# Haiku: a small decoder written with hk.transform, its layers a Python list or hk.layer_stack
+
+HK_D, HK_HEADS, HK_LAYERS, HK_VOCAB = 128, 4, 4, 256
+HAIKU_MODELS = ("haiku list", "haiku layer_stack")
+
+
+def haiku_supported() -> bool:
+    """Whether this hookax sees Haiku's modules (its Haiku adapter exists)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("haiku") is not None and (
+            importlib.util.find_spec("hookax.frameworks._haiku") is not None
+        )
+    except ImportError:
+        return False
+
+
+def _haiku(model: str) -> dict[str, Any]:
+    """The decoder's forward (``hk.transform``) and its hand-edited twin: ``edit(i, x)``
+    replaces layer ``i``'s output (``i`` an int for the list, the traced layer index in the
+    layer stack), and the twin returns every layer's output after the logits."""
+    import haiku as hk
+    import jax
+    import jax.numpy as jnp
+
+    class Block(hk.Module):
+        def __call__(self, x: jax.Array) -> jax.Array:
+            t = x.shape[1]
+            mask = jnp.tril(jnp.ones((t, t), bool))[None, None]
+            h = hk.LayerNorm(-1, True, True, name="ln_attn")(x)
+            init = hk.initializers.VarianceScaling(1.0)
+            h = hk.MultiHeadAttention(HK_HEADS, HK_D // HK_HEADS, w_init=init, name="attn")(
+                h, h, h, mask=mask
+            )
+            x = x + h
+            h = hk.LayerNorm(-1, True, True, name="ln_mlp")(x)
+            h = hk.Linear(HK_D, name="down")(jax.nn.gelu(hk.Linear(2 * HK_D, name="up")(h)))
+            return x + h
+
+    def embed(tokens: jax.Array) -> jax.Array:
+        pos = hk.Embed(SEQ, HK_D, name="pos_embed")(jnp.arange(tokens.shape[1]))
+        return hk.Embed(HK_VOCAB, HK_D, name="embed")(tokens) + pos
+
+    def readout(x: jax.Array) -> jax.Array:
+        return hk.Linear(HK_VOCAB, name="unembed")(hk.LayerNorm(-1, True, True, name="ln_f")(x))
+
+    stack = model == "haiku layer_stack"
+
+    def forward(tokens: jax.Array) -> jax.Array:
+        x = embed(tokens)
+        if stack:
+            x = hk.layer_stack(HK_LAYERS, name="layers")(lambda x: Block(name="block")(x))(x)
+        else:
+            for i in range(HK_LAYERS):
+                x = Block(name=f"block_{i}")(x)
+        return readout(x)
+
+    def hand(tokens: jax.Array, edit: Any = None) -> tuple[jax.Array, Any]:
+        x = embed(tokens)
+        if stack:
+
+            def layer(x: jax.Array, i: jax.Array) -> tuple[jax.Array, jax.Array]:
+                x = Block(name="block")(x)
+                x = x if edit is None else edit(i, x)
+                return x, x
+
+            stacked = hk.layer_stack(HK_LAYERS, with_per_layer_inputs=True, name="layers")
+            x, outs = stacked(layer)(x, jnp.arange(HK_LAYERS))
+        else:
+            outs = []
+            for i in range(HK_LAYERS):
+                x = Block(name=f"block_{i}")(x)
+                x = x if edit is None else edit(i, x)
+                outs.append(x)
+        return readout(x), outs
+
+    fwd, hand_t = hk.transform(forward), hk.transform(hand)
+    clean = jax.random.randint(jax.random.key(1), (1, SEQ), 0, HK_VOCAB)
+    corrupt = clean.at[:, SEQ // 3].set((clean[:, SEQ // 3] + 1) % HK_VOCAB)
+    params = fwd.init(jax.random.key(0), clean)
+    want = jax.tree.structure(hand_t.init(jax.random.key(0), clean))
+    assert jax.tree.structure(params) == want, "the hand twin's parameters differ"
+    where = f"layers/block[0:{HK_LAYERS}]" if stack else "block_*"
+    jax.block_until_ready((params, clean, corrupt))
+    return {
+        "forward": fwd,
+        "hand": hand_t,
+        "params": params,
+        "clean": clean,
+        "corrupt": corrupt,
+        "where": where,
+        "stack": stack,
+    }
+
+
+def _logit_diff(logits: Any) -> Any:
+    return logits[0, -1, 1] - logits[0, -1, 2]
+
+
+def haiku_hlo(h: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    import jax
+
+    import hookax as hx
+
+    apply, params, x = h["forward"].apply, h["params"], h["clean"]
+    plain = jax.jit(apply).lower(params, None, x)
+    out = {}
+    for scope, block in (
+        ("intercept", lambda: hx.intercept(noop_interceptor)),
+        ("hooks", lambda: hx.hooks(forward=noop_forward)),
+    ):
+        with block():
+            hooked = jax.jit(apply).lower(params, None, x)
+        out[scope] = compare_programs(plain, hooked)
+    return out
+
+
+def haiku_hand_grid(h: dict[str, Any]) -> Any:
+    import jax
+    import jax.numpy as jnp
+
+    hand = h["hand"]
+
+    @jax.jit
+    def grid(params: Any, clean: Any, corrupt: Any) -> Any:
+        _, clean_outs = hand.apply(params, None, clean)
+        pos = jnp.arange(clean.shape[1])
+        rows = []
+        for layer in range(HK_LAYERS):
+            target = clean_outs[layer]
+
+            def cell(p: Any, layer: int = layer, target: Any = target) -> Any:
+                def edit(i: Any, x: Any) -> Any:
+                    hit = (pos == p)[None, :, None] & (i == layer)
+                    return jnp.where(hit, target, x)
+
+                return _logit_diff(hand.apply(params, None, corrupt, edit)[0])
+
+            rows.append(jax.vmap(cell)(pos))
+        return jnp.stack(rows)
+
+    return grid
+
+
+def haiku_grid(h: dict[str, Any], rounds: int) -> dict[str, float]:
+    import jax
+    import numpy as np
+
+    import hookax as hx
+
+    params, clean, corrupt = h["params"], h["clean"], h["corrupt"]
+    apply = h["forward"].apply
+    hand = haiku_hand_grid(h)
+
+    def fn(p: Any, x: Any) -> Any:
+        return apply(p, None, x)
+
+    def hookax_grid() -> Any:
+        return jax.block_until_ready(
+            hx.patch_grid(fn, (params, clean), (params, corrupt), _logit_diff, where=h["where"])
+        )
+
+    def hand_run() -> Any:
+        return jax.block_until_ready(hand(params, clean, corrupt))
+
+    got, want = np.asarray(hookax_grid()), np.asarray(hand_run())
+    assert got.shape == want.shape == (HK_LAYERS, SEQ), (got.shape, want.shape)
+    t = interleaved({"hookax": hookax_grid, "hand": hand_run}, rounds=rounds, inner=3, stat=min)
+    return {
+        "grid_s": t["hookax"],
+        "hand_grid_s": t["hand"],
+        "ratio": t["hookax"] / t["hand"],
+        "max_abs_diff": float(np.max(np.abs(got - want))),
+    }
 
 
 def _haiku_first(model: str, hand_first: bool) -> dict[str, float]:
-    raise NotImplementedError(model)
+    import jax
+    import jax.numpy as jnp
+
+    import hookax as hx
+
+    h = _haiku(model)
+    fwd, hand, where = h["forward"], h["hand"], h["where"]
+    args = (h["params"], h["clean"])
+    jax.block_until_ready(jnp.ones(3) + 1)
+    sides = {
+        "hand": jax.jit(lambda p, x: hand.apply(p, None, x)),
+        "hookax": jax.jit(lambda p, x: hx.capture(fwd.apply, where=where)(p, None, x)),
+    }
+    out: dict[str, float] = {}
+    for side in ("hand", "hookax") if hand_first else ("hookax", "hand"):
+        out[f"{side}.first_s"] = _seconds(
+            lambda side=side: jax.block_until_ready(sides[side](*args))
+        )
+    for side in sides:
+        out[f"{side}.warm_s"] = min(
+            _seconds(lambda side=side: jax.block_until_ready(sides[side](*args))) for _ in range(5)
+        )
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -397,7 +622,7 @@ def main(rounds: int = 7) -> dict[str, Any]:
     results.update({f"grid.llama.{k}": v for k, v in grid.items()})
     first = first_calls("llama")
     results.update({f"first.llama.{k}": v for k, v in first.items()})
-    idle = idle_costs(s, rounds)
+    idle = idle_costs(s, 2 * rounds)
     results.update({f"idle.llama.{k}": v for k, v in idle.items()})
 
     ratio_rows = [
@@ -407,6 +632,8 @@ def main(rounds: int = 7) -> dict[str, Any]:
          f"{first['hand_first_s']:.2f} s", f"{first['ratio']:.2f}", "1.3"),
         ("eager: hookax imported / not", "llama", f"{idle['imported_s'] * 1e3:.2f} ms",
          f"{idle['not_imported_s'] * 1e3:.2f} ms", f"{idle['import_ratio']:.3f}", "1.03"),
+        ("eager scalar add: imported / not", "-", f"{idle['op_imported_s'] * 1e6:.1f} us",
+         f"{idle['op_not_imported_s'] * 1e6:.1f} us", f"{idle['op_ratio']:.3f}", "1.03"),
         ("eager: hx.program(f) idle / f", "llama", f"{idle['program_s'] * 1e3:.2f} ms",
          f"{idle['forward_s'] * 1e3:.2f} ms", f"{idle['program_ratio']:.3f}", "1.03"),
     ]  # fmt: skip
@@ -414,7 +641,8 @@ def main(rounds: int = 7) -> dict[str, Any]:
     print(table(ratio_rows, ("measure", "model", "hookax", "without", "ratio", "goal")))
     print(
         f"grid: largest |hookax - hand| {grid['max_abs_diff']:.1e}; warm jit(capture) "
-        f"{first['warm_s'] * 1e3:.2f} ms vs hand {first['hand_warm_s'] * 1e3:.2f} ms"
+        f"{first['warm_s'] * 1e3:.2f} ms vs hand {first['hand_warm_s'] * 1e3:.2f} ms; import "
+        "ratio by process pair: " + ", ".join(f"{r:.2f}" for r in idle["import_ratios_by_process"])
     )
     return results
 
