@@ -1,27 +1,33 @@
-"""Programs without modules (and Haiku): what hookax costs a program it has to trace for call sites.
+"""Programs without modules and Haiku: what hookax costs a program it did not write.
 
-Model: the plain-function Llama of ``tests/models/jaxllm_like.py`` (functions over a weight
+Models: the plain-function Llama of ``tests/models/jaxllm_like.py`` (functions over a weight
 pytree, ``jax.named_scope`` blocks, a Python loop over layers; its ``lax.scan`` twin over stacked
 layers for the HLO check): 4 layers, d_model 128, 4 query heads / 2 key-value heads of 32, MLP
-256, vocabulary 256, one prompt of 32 tokens, float32. Four measurements, each against the same
-program without hookax, side by side in one run:
+256, vocabulary 256; and, where this hookax has its Haiku adapter, a Haiku decoder written with
+``hk.transform`` (4 pre-norm blocks of ``hk.MultiHeadAttention`` and a GELU MLP, d_model 128, 4
+heads, learned positions), its blocks a Python list (``block_0`` ... ``block_3``) or one
+``hk.layer_stack`` (``layers/block[i]``). One prompt of 32 tokens, float32. Each measurement is
+against the same program without hookax, side by side in one run:
 
 1. ``hlo``: the program under ``jax.jit`` with a no-op ``hx.intercept`` (and with ``hx.hooks``
-   holding a forward hook that returns None) active, through ``hx.program(forward)``, lowers to
-   the same StableHLO and compiles to the same optimized HLO as ``jax.jit(forward)`` (texts
-   compared without debug information; with it, the differing lines are counted).
-2. ``grid``: ``hx.patch_grid(forward, ..., where="forward_layer/*.0")`` (layers x positions,
-   each layer's residual output) against the same grid written by hand: one ``jax.jit`` program,
-   per layer the forward with that layer's residual at position p replaced by the clean run's,
-   ``jax.vmap`` over p; warm calls, round-robin, min of the rounds (goal: <= 1.2x).
+   holding a forward hook that returns None) active (the Llama through ``hx.program(forward)``)
+   lowers to the same StableHLO and compiles to the same optimized HLO as ``jax.jit`` of the
+   program alone (texts without debug information; with it, the differing lines are counted:
+   source locations, whose call stacks name hookax's frames where hookax ran the code).
+2. ``grid``: ``hx.patch_grid`` over each layer's residual output by position (the Llama's
+   ``forward_layer/*.0``, Haiku's ``block_*`` and ``layers/block[0:4]``) against the same grid
+   written by hand: one ``jax.jit`` program, per layer the corrupted forward with that layer's
+   output at position p replaced by the clean run's, ``jax.vmap`` over p; warm calls,
+   round-robin, the fastest of 14 rounds, wall-clock and CPU time (goal: <= 1.2x).
 3. ``first``: the first call (trace + compile + run) of ``jax.jit`` over
-   ``hx.capture(forward, where="forward_layer/*")`` against a hand-written ``jax.jit`` forward
-   returning the same values (the logits, the caches and every layer's output), each in fresh
-   processes, hand first then hookax first, twice; min of the four (goal: <= 1.3x).
-4. ``idle``: the eager forward (no jit) in a process that never imported hookax against one
-   that did (and entered and left a hookax block), processes alternated, the median of their
-   fastest calls; and ``hx.program(forward)`` called outside any hookax block against
-   ``forward``, in one process, round-robin, min (goal: <= 1.03x each).
+   ``hx.capture(forward, where=...)`` (every layer's output) against a hand-written ``jax.jit``
+   forward returning the same values, each in fresh processes, hand first then hookax first,
+   twice; min of the four (goal: <= 1.3x).
+4. ``idle``: the eager Llama forward (no jit) in processes that never import hookax against
+   processes that import it and enter and leave a no-op ``hx.intercept`` first (alternated,
+   3 of each; the median of each process's fastest call), with a scalar addition's eager
+   dispatch as a finer probe; and ``hx.program(forward)`` called outside any hookax block
+   against ``forward``, in one process, round-robin, the fastest of 14 rounds (goal: <= 1.03x).
 
 Run: ``python -m benchmarks programs --json out.json``.
 """
