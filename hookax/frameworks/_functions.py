@@ -162,11 +162,12 @@ def _compiled(prog: _program.Program) -> Callable[..., Any]:
 def _mentions_module(fn: Any, args: tuple, kwargs: dict) -> bool:
     """Whether a framework's module is plainly among ``fn`` (itself, its bound ``self``, a
     partial's arguments, its closure) or the top levels of the arguments."""
-    from .._engine.adapters import adapter_for
+    from .._engine.adapters import adapter_for, is_haiku_model
 
     def module(x: Any) -> bool:
         a = adapter_for(x)
-        return a is not None and a is not ADAPTER
+        # A Haiku transform (or its apply) calls Haiku's modules, which its adapter sees.
+        return (a is not None and a is not ADAPTER) or is_haiku_model(x)
 
     def shallow(x: Any, depth: int = 0) -> bool:
         if module(x):
@@ -190,7 +191,21 @@ def as_program(fn: Callable[..., Any]) -> Callable[..., Any]:
     """
     if isinstance(fn, _ProgramFn) or not callable(fn) or _mentions_module(fn, (), {}):
         return fn
-    return _ProgramFn(fn)
+    # The same wrapper for the same function (the last few): caches keyed by the wrapper's id
+    # (a capture of a jitted function made anew per step) hit. A wrapper holds its function, so
+    # the table is bounded rather than weak.
+    with _LOCK:
+        hit = _WRAPPERS.get(id(fn))
+        if hit is not None and hit.fn is fn:
+            _WRAPPERS.move_to_end(id(fn))
+            return hit
+        hit = _WRAPPERS[id(fn)] = _ProgramFn(fn)
+        while len(_WRAPPERS) > _CACHE_SIZE:
+            _WRAPPERS.popitem(last=False)
+    return hit
+
+
+_WRAPPERS: collections.OrderedDict[int, _ProgramFn] = collections.OrderedDict()
 
 
 class _ProgramFn:
@@ -201,7 +216,7 @@ class _ProgramFn:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.key = FnKey(fn)
-        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        functools.update_wrapper(self, fn)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _ProgramFn) and other.key == self.key
