@@ -413,3 +413,17 @@ def test_no_op_scopes_compile_the_same_program() -> None:
     with hx.hooks(forward=lambda m, a, o: None):
         hooked = jax.jit(t.apply).lower(params, None, X).as_text()
     assert plain == intercepted == hooked
+
+
+def test_a_haiku_function_is_no_program_without_modules(monkeypatch: Any) -> None:
+    from hookax._transforms import program
+
+    def no_discovery(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a Haiku function was traced as a program without modules")
+
+    monkeypatch.setattr(program, "discover", no_discovery)
+    t = hk.transform(nested)
+    params = t.init(jax.random.key(0), X)
+    _, acts = hx.capture(t.apply, where="mlp")(params, None, X)
+    _, again = hx.capture(lambda p, x: t.apply(p, None, x), where="mlp")(params, X)
+    close(acts["mlp"][0], again["mlp"][0])
