@@ -86,7 +86,11 @@ class HaikuMLP(hk.Module):
         return self.layers[1](jax.nn.relu(self.layers[0](x)))
 
 
-HAIKU = hk.transform(lambda x: HaikuMLP()(x))
+def haiku_forward(x: jax.Array) -> jax.Array:
+    return HaikuMLP()(x)
+
+
+HAIKU = hk.transform(haiku_forward)
 HAIKU_PARAMS = {"mlp/~/linear": {"w": W1, "b": B1}, "mlp/~/linear_1": {"w": W2, "b": B2}}
 
 
@@ -406,17 +410,21 @@ def test_value_and_grad(framework: Framework, mode: str) -> None:
 def test_summary(framework: Framework) -> None:
     model = {"linen": LinenMLP(), "haiku": HAIKU}.get(framework.name, framework.state)
     s = hx.summary(model, jax.ShapeDtypeStruct((3,), jnp.float32))
-    assert [r.key for r in s.rows] == [framework.root, *framework.keys]
-    assert [r.type for r in s.rows] == [
-        framework.module_type.__name__,
-        framework.linear.__name__,
-        framework.linear.__name__,
+    # Haiku's first row is the function given to hk.transform, its outermost module the second
+    lead = [("", "haiku_forward", 26, ("f32[2]",))] if framework.name == "haiku" else []
+    mlp = framework.module_type.__name__
+    lin = framework.linear.__name__
+    assert [(r.key, r.type, r.params, r.outputs) for r in s.rows] == [
+        *lead,
+        (framework.root, mlp, 26, ("f32[2]",)),
+        (framework.keys[0], lin, 16, ("f32[4]",)),
+        (framework.keys[1], lin, 10, ("f32[2]",)),
     ]
-    assert [r.outputs for r in s.rows] == [("f32[2]",), ("f32[4]",), ("f32[2]",)]
-    assert [r.params for r in s.rows] == [26, 16, 10]
+    assert [r.depth for r in s.rows[len(lead) :]] == [len(lead), len(lead) + 1, len(lead) + 1]
     assert (s.totals.params, s.totals.param_bytes) == (26, 104)
     # XLA's FLOP count of the same computation, whichever framework wrote it.
-    assert [r.flops for r in s.rows] == [_reference_flops(), 28, 18]
+    flops = [_reference_flops()] * (len(lead) + 1)
+    assert [r.flops for r in s.rows] == [*flops, 28, 18]
     assert "26" in str(s)
 
 

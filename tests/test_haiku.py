@@ -261,13 +261,18 @@ def test_summary_counts_params_and_state() -> None:
         return Mean(name="norm")(stacked(x))
 
     s = hx.summary(hk.transform_with_state(f), jax.ShapeDtypeStruct((3, 4), jnp.float32))
-    assert [r.key for r in s.rows] == ["embed", "layers/block", "layers/block/lin", "norm"]
-    assert [r.params for r in s.rows] == [20, 60, 60, 4]
+    assert [r.key for r in s.rows] == ["", "embed", "layers/block", "layers/block/lin", "norm"]
+    assert [r.type for r in s.rows] == ["f", "Linear", "Block", "Linear", "Mean"]
+    assert [r.params for r in s.rows] == [84, 20, 60, 60, 4]
+    assert [r.depth for r in s.rows] == [0, 1, 1, 2, 1]
     assert s.totals.params == 84
     assert [(c, n) for c, n, _ in s.rows[-1].state] == [("state", 4)]
-    assert [r.trips for r in s.rows] == [1, 3, 3, 1]
+    assert [(c, n) for c, n, _ in s.rows[0].state] == [("state", 4)]
+    assert [r.trips for r in s.rows] == [1, 1, 3, 3, 1]
+    assert s.rows[1].flops == 2 * 3 * 4 * 4 + 12  # embed alone, not the whole function
+    assert s.rows[0].flops == s.totals.flops
     # one layer lowered alone, times the layers (XLA counts tanh apart, as transcendentals)
-    assert [r.flops for r in s.rows[1:3]] == [3 * (2 * 3 * 4 * 4 + 12)] * 2
+    assert [r.flops for r in s.rows[2:4]] == [3 * (2 * 3 * 4 * 4 + 12)] * 2
 
 
 def test_errors_name_the_fix() -> None:
@@ -309,6 +314,7 @@ def test_cli_factory(tmp_path: Any, monkeypatch: Any, capsys: Any) -> None:
 
     rows = json.loads(out)["rows"]
     assert [(r["key"], r["params"]) for r in rows] == [
+        ("", 164),
         ("mlp", 164),
         ("mlp/linear_0", 96),
         ("mlp/linear_1", 68),
@@ -407,3 +413,17 @@ def test_no_op_scopes_compile_the_same_program() -> None:
     with hx.hooks(forward=lambda m, a, o: None):
         hooked = jax.jit(t.apply).lower(params, None, X).as_text()
     assert plain == intercepted == hooked
+
+
+def test_a_haiku_function_is_no_program_without_modules(monkeypatch: Any) -> None:
+    from hookax._transforms import program
+
+    def no_discovery(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a Haiku function was traced as a program without modules")
+
+    monkeypatch.setattr(program, "discover", no_discovery)
+    t = hk.transform(nested)
+    params = t.init(jax.random.key(0), X)
+    _, acts = hx.capture(t.apply, where="mlp")(params, None, X)
+    _, again = hx.capture(lambda p, x: t.apply(p, None, x), where="mlp")(params, X)
+    close(acts["mlp"][0], again["mlp"][0])

@@ -4,8 +4,11 @@ Haiku has no model object: the model is the function given to ``hk.transform`` (
 ``transform_with_state``, with or without ``without_apply_rng``), and its variables come from
 ``init``. The summary runs that function as ``hk.transform_with_state`` does: ``init`` under
 ``jax.eval_shape`` (nothing is allocated), then ``apply`` traced on the abstract ``params`` and
-``state`` with the recorder on. Parameters are counted from ``params`` under the path of the module
-that owns them (its Haiku name, as call sites are keyed), ``state`` as a collection of its own.
+``state`` with the recorder on. The first row (key ``""``) is the function itself, typed by its
+name, with the whole call's FLOPs (as a program without modules is summarised); its modules
+follow, top-level ones at depth 1. Parameters are counted from ``params`` under the path of the
+module that owns them (its Haiku name, as call sites are keyed), ``state`` as a collection of its
+own.
 A call site's FLOPs come from its method lowered alone in a transform of its own, on the abstract
 variables of the transform it runs in: the model's, or, inside ``hk.layer_stack``, one layer's
 (the row multiplies them by the layers).
@@ -13,6 +16,7 @@ variables of the transform it runs in: the model's, or, inside ``hk.layer_stack`
 
 from __future__ import annotations
 
+import inspect
 import sys
 from typing import Any
 
@@ -22,7 +26,7 @@ from .._util.errors import HookaxError
 from .._util.specs import describe
 from . import trace
 
-__all__ = ["Haiku", "is_transformed", "original_fn"]
+__all__ = ["Haiku", "is_transformed", "original_fn", "signature"]
 
 
 def is_transformed(obj: Any) -> bool:
@@ -36,6 +40,16 @@ def original_fn(transformed: Any) -> Any:
     from haiku._src.transform import get_original_fn
 
     return get_original_fn(transformed)
+
+
+def signature(fn: Any) -> inspect.Signature | None:
+    """``fn``'s signature with a first parameter added (``describe_call`` skips the first)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
+        return None
+    first = inspect.Parameter("_model", inspect.Parameter.POSITIONAL_ONLY)
+    return sig.replace(parameters=[first, *sig.parameters.values()])
 
 
 def _key() -> jax.Array:
@@ -67,7 +81,8 @@ class Haiku:
                 "function is what runs). Fix: pass the function's own arguments, "
                 "hx.summary(transformed, x, is_training=False)."
             )
-        t = hk.transform_with_state(original_fn(model))
+        fn = original_fn(model)
+        t = hk.transform_with_state(fn)
         flat = trace.Flat.of((args, kwargs))
 
         def init(dynamic: list[Any]) -> Any:
@@ -76,12 +91,26 @@ class Haiku:
 
         self.params, self.state = trace.abstract(jax.eval_shape(init, flat.dynamic))
 
+        # The first row is the function itself (its modules are called from it, several of
+        # them at its top level maybe): the whole call's FLOPs, every parameter.
+        root = trace.Record(
+            key="",
+            path=(),
+            type=getattr(fn, "__name__", "function"),
+            method="__call__",
+            inputs=trace.describe_call(signature(fn), args, kwargs),
+        )
+        recorder = trace.Recorder(_site)
+        recorder.records.append(root)
+
         def forward(variables: Any, dynamic: list[Any]) -> Any:
             a, k = flat.rebuild(dynamic)
-            return t.apply(*variables, _key(), *a, **k)[0]
+            out = t.apply(*variables, _key(), *a, **k)[0]
+            root.outputs = trace.describe_output(out)
+            return out
 
         variables = (self.params, self.state)
-        return trace.trace_whole(forward, (variables, flat.dynamic), _site)
+        return trace.trace_whole(forward, (variables, flat.dynamic), _site, recorder)
 
     def collections(self, model: Any, variables: bool) -> trace.Collections:
         from ..frameworks._haiku import haiku_path

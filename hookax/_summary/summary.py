@@ -319,7 +319,7 @@ def summary(
         backend = _check(model)
     if _summary_haiku.is_transformed(model):  # the function hk.transform was given runs
         fn = _summary_haiku.original_fn(model)
-        name, sig = getattr(fn, "__name__", "function"), _signature_of_fn(fn)
+        name, sig = getattr(fn, "__name__", "function"), _summary_haiku.signature(fn)
     elif call is None and name is None:
         sig = _signature(model, method)
         if train is not None and sig is not None and "train" in sig.parameters:
@@ -582,16 +582,6 @@ def _function_call(
         first = inspect.Parameter("_model", inspect.Parameter.POSITIONAL_ONLY)
         sig = sig.replace(parameters=[first, *params])  # describe_call skips the first
     return model, rest, call, sig
-
-
-def _signature_of_fn(fn: Any) -> inspect.Signature | None:
-    """``fn``'s signature with a first parameter added (``describe_call`` skips the first)."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # pragma: no cover - builtins without a signature
-        return None
-    first = inspect.Parameter("_model", inspect.Parameter.POSITIONAL_ONLY)
-    return sig.replace(parameters=[first, *sig.parameters.values()])
 
 
 def _signature(model: Any, method: str) -> inspect.Signature | None:

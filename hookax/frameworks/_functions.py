@@ -183,9 +183,10 @@ def _reaches(obj: Any, depth: int, seen: set[int]) -> bool:
     if isinstance(obj, jax.Array | np.ndarray | core.Tracer | _program.Site):
         return False
     seen.add(id(obj))
-    from .._engine.adapters import adapter_for
+    from .._engine.adapters import adapter_for, is_haiku_model
 
-    if adapter_for(obj) is not None:
+    # A Haiku transform (or its apply) calls Haiku's modules, which its adapter sees.
+    if adapter_for(obj) is not None or is_haiku_model(obj):
         return True
     items: list[Any]
     if isinstance(obj, list | tuple):
