@@ -100,9 +100,10 @@ lock: $(VENV)/.installed-dev
 	$(BIN)/python -m uv pip compile pyproject.toml --extra dev --python-version 3.13 -q \
 		--upgrade --custom-compile-command "make lock" -o requirements-dev-py313.lock
 
-# tests/models/: every feature on the codebases users run (gemma, EasyDeL, MaxText; a
+# tests/models/: every feature on the codebases users run (gemma, EasyDeL, MaxText, AlphaFold; a
 # Levanter-like model), each installed from the registry at its lock's versions, on Python 3.11
-# (EasyDeL) and 3.12 (gemma 4, MaxText). Heavy installs: not part of `make test`; CI runs it last.
+# (EasyDeL, AlphaFold) and 3.12 (gemma 4, MaxText, AlphaFold). Heavy installs: not part of
+# `make test`; CI runs it last.
 test-models: $(VENV)/.installed-dev
 	$(BIN)/nox -s models
 

@@ -43,7 +43,7 @@ def _post(module: Any, args: tuple, output: Any) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    for name in ("flax.linen", "flax.nnx", "equinox"):
+    for name in ("flax.linen", "flax.nnx", "equinox", "haiku"):
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
     import hookax

@@ -1,7 +1,7 @@
 """``make compat``: the frameworks' own test suites, without hookax and with it, compared.
 
-Runs Flax's ``tests/nnx`` and ``tests/linen`` and Equinox's ``tests/`` (of the versions pinned in
-pyproject.toml) three ways:
+Runs Flax's ``tests/nnx`` and ``tests/linen``, Equinox's ``tests/`` and Haiku's tests (of the
+versions pinned in pyproject.toml) three ways:
 
 * ``plain``: hookax is not importable at all;
 * ``imported``: hookax imported after the frameworks and its adapters installed, nothing active;
@@ -13,12 +13,15 @@ and prints a table of passed / failed / skipped per suite and way, then every te
 differs from the plain run. Everything it needs lives in a cache directory outside the checkout
 (``$HOOKAX_COMPAT_CACHE``, default ``~/.cache/hookax-compat``):
 
-* a virtual environment with the pinned jax, flax and equinox and the suites' test dependencies
+* a virtual environment with the pinned jax, flax, equinox and dm-haiku and the suites' test
+  dependencies
   (hookax itself is not installed there; it comes from this checkout via ``PYTHONPATH``);
 * Flax's tests, from its source distribution on the package index (``pip download``);
 * Equinox's tests, which its source distribution does not ship: from GitHub's tag archive, or,
   where GitHub cannot be reached, from a git directory named by ``$HOOKAX_COMPAT_EQUINOX_GIT``
-  (``git archive v<version>``).
+  (``git archive v<version>``);
+* Haiku's tests, which its wheel ships beside its modules (``haiku/_src/*_test.py``): copied from
+  the environment's installed package.
 
 The full suites take hours on a 2-core machine, so by default a selection of files runs (see
 ``SELECTION``); ``--full`` runs everything. ``python compat/run.py --help`` for the options.
@@ -87,15 +90,26 @@ SELECTION = {
         "test_scan.py",
         "test_noinline.py",
     ),
+    # (transform_test.py needs TensorFlow, recurrent_test.py and moving_averages_test.py dm-tree)
+    "haiku": (
+        "module_test.py",
+        "base_test.py",
+        "stateful_test.py",
+        "layer_stack_test.py",
+        "lift_test.py",
+        "basic_test.py",
+        "summarise_test.py",
+        "batch_norm_test.py",
+    ),
 }
 
 
 def pins(lock: str = "requirements-dev.lock") -> dict[str, str]:
-    """The versions of jax, jaxlib, flax and equinox in a development lock (the newest set of
-    one Python: ``requirements-dev.lock`` for 3.11, ``requirements-dev-py312.lock``, ...)."""
+    """The versions of jax, jaxlib, flax, equinox and dm-haiku in a development lock (the newest
+    set of one Python: ``requirements-dev.lock`` for 3.11, ``requirements-dev-py312.lock``, ...)."""
     found = {}
     for line in (ROOT / lock).read_text().splitlines():
-        m = re.fullmatch(r"(jax|jaxlib|flax|equinox)==([\w.]+)", line.strip())
+        m = re.fullmatch(r"(jax|jaxlib|flax|equinox|dm-haiku)==([\w.]+)", line.strip())
         if m:
             found[m.group(1)] = m.group(2)
     return found
@@ -174,6 +188,27 @@ def equinox_tests(version: str) -> Path | None:
     return None
 
 
+def haiku_tests(py: Path, version: str) -> Path:
+    """Haiku's test files, copied from the package installed in the environment ``py``."""
+    dest = CACHE / f"dm-haiku-{version}"
+    if (dest / "tests").is_dir():
+        return dest
+    where = subprocess.run(
+        [str(py), "-c", "import haiku, os; print(os.path.dirname(haiku.__file__))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "tests").mkdir(parents=True)
+    for test in Path(where, "_src").glob("*_test.py"):
+        shutil.copy(test, tmp / "tests" / test.name)
+    (tmp / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    tmp.rename(dest)
+    return dest
+
+
 def outcomes(xml: Path) -> dict[str, str]:
     """test id -> passed / failed / skipped, from a JUnit XML report."""
     result = {}
@@ -247,13 +282,13 @@ def report(results: dict[str, dict[str, dict[str, str]]], header: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="every test file, not the selection")
-    parser.add_argument("--suites", default="nnx,linen,equinox")
+    parser.add_argument("--suites", default="nnx,linen,equinox,haiku")
     parser.add_argument("--ways", default=",".join(WAYS))
     parser.add_argument("--files", help="comma-separated file names instead of the selection")
     parser.add_argument(
         "--lock",
         default="requirements-dev.lock",
-        help="the lock whose jax, flax and equinox to test (requirements-dev-py312.lock on 3.12)",
+        help="the lock whose frameworks to test (requirements-dev-py312.lock on 3.12)",
     )
     parser.add_argument(
         "--report", action="store_true", help="only print the table of the last runs' results"
@@ -274,15 +309,21 @@ def main(argv: list[str] | None = None) -> int:
             report(
                 results,
                 f"jax {versions['jax']}, flax {versions['flax']}, "
-                f"equinox {versions['equinox']}; the last runs in {out}",
+                f"equinox {versions['equinox']}, dm-haiku {versions.get('dm-haiku')}; "
+                f"the last runs in {out}",
             )
         )
         return 0
     CACHE.mkdir(parents=True, exist_ok=True)
     py = venv(versions)
     flax_src = flax_tests(py, versions["flax"])
-    sources = {"nnx": flax_src, "linen": flax_src, "equinox": equinox_tests(versions["equinox"])}
-    folders = {"nnx": "tests/nnx", "linen": "tests/linen", "equinox": "tests"}
+    sources = {
+        "nnx": flax_src,
+        "linen": flax_src,
+        "equinox": equinox_tests(versions["equinox"]),
+        "haiku": haiku_tests(py, versions["dm-haiku"]),
+    }
+    folders = {"nnx": "tests/nnx", "linen": "tests/linen", "equinox": "tests", "haiku": "tests"}
     out.mkdir(exist_ok=True)
     results: dict[str, dict[str, dict[str, str]]] = {}
     for suite in args.suites.split(","):
@@ -308,8 +349,8 @@ def main(argv: list[str] | None = None) -> int:
         else "the selection in compat/run.py"
     )
     header = (
-        f"jax {versions['jax']}, flax {versions['flax']}, equinox {versions['equinox']}; "
-        f"{selection}"
+        f"jax {versions['jax']}, flax {versions['flax']}, equinox {versions['equinox']}, "
+        f"dm-haiku {versions.get('dm-haiku')}; {selection}"
     )
     text = report(results, header)
     (out / "compat.md").write_text(text + "\n")

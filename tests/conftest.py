@@ -53,6 +53,9 @@ SLOW = (
     "tests/test_reliability_memory.py::",
     "tests/test_harvest_procs.py::",
     "tests/test_pickle.py::",
+    # Every feature on a Llama written the jax-llm-examples way (about 100 s of CPU): make test
+    # keeps tests/test_programs.py, the same features on a smaller program.
+    "tests/models/test_model_jaxllm_like.py::",
     # By --durations of the whole suite (2 workers), every test over ~1.5 s; a faster variant
     # of each (another framework or mode) stays in make test.
     "docs/pruning.md::pruning.md",

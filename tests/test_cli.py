@@ -106,7 +106,13 @@ def _run(capsys, *argv):
 
 @pytest.mark.parametrize(
     ("name", "total"),
-    [("mlp", "235,146"), ("cnn", "25,578"), ("resnet", "78,042"), ("transformer", "115,520")],
+    [
+        ("mlp", "235,146"),
+        ("cnn", "25,578"),
+        ("resnet", "78,042"),
+        ("transformer", "115,520"),
+        ("llama_functions", "115,520"),
+    ],
 )
 def test_summary_of_each_example(capsys, name, total):
     code, out, err = _run(capsys, "summary", "--example", name, "--depth", "1")
@@ -328,7 +334,9 @@ def _error(capsys, *argv):
 @pytest.mark.parametrize("command", ["summary", "gradflow"])
 def test_unknown_example_lists_the_valid_ones(capsys, command):
     msg = _error(capsys, command, "--example", "vgg")
-    assert msg == "unknown example 'vgg'; choose one of: cnn, mlp, resnet, transformer"
+    assert msg == (
+        "unknown example 'vgg'; choose one of: cnn, mlp, resnet, transformer, llama_functions"
+    )
 
 
 def test_factory_that_does_not_import(capsys):
@@ -348,7 +356,9 @@ def test_factory_errors(capsys, factories):
         "cannot import factory 'user_models:missing': user_models has no 'missing'"
     )
     assert _error(capsys, "summary", f"{factories}:not_a_model", "--input", "f32[2]") == (
-        "'user_models:not_a_model' returned int, not a Flax NNX, Flax Linen or Equinox module"
+        "'user_models:not_a_model' returned int, not a Flax NNX, Flax Linen or Equinox module, "
+        "a Haiku transform (hk.transform(forward)), nor a function with its arguments (forward, "
+        "weights)"
     )
     assert _error(capsys, "summary", f"{factories}:broken", "--input", "f32[2]") == (
         "factory 'user_models:broken' raised RuntimeError: no weights here"
@@ -415,7 +425,8 @@ def test_python_dash_m_hookax_and_lazy_imports():
     assert bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
     code = (
         "import sys, hookax, hookax._cli.main, hookax.examples; "
-        "print(sorted(m for m in ('flax', 'rich', 'matplotlib', 'equinox') if m in sys.modules))"
+        "names = ('flax', 'rich', 'matplotlib', 'equinox', 'haiku'); "
+        "print(sorted(m for m in names if m in sys.modules))"
     )
     lazy = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert lazy.stdout.strip() == "[]"

@@ -1,10 +1,11 @@
-"""The conformance suite: the same behaviour on Flax NNX, Flax Linen and Equinox.
+"""The conformance suite: the same behaviour on Flax NNX, Flax Linen, Equinox and Haiku.
 
 Each framework builds the same two-layer MLP (``Linear(3, 4)``, relu, ``Linear(4, 2)``) from its
-library layers (``nnx.Linear``, ``nn.Dense``, ``eqx.nn.Linear``) with the same weights, so every
-expected value is computed once, by hand, and is exact for all three. Every behaviour runs eagerly
-and under the framework's own jit (``nnx.jit``, ``jax.jit`` of ``apply``, ``eqx.filter_jit``), where
-trace counts prove the caches right.
+library layers (``nnx.Linear``, ``nn.Dense``, ``eqx.nn.Linear``, ``hk.Linear``) with the same
+weights, so every expected value is computed once, by hand, and is exact for all four. Every
+behaviour runs eagerly and under the framework's own jit (``nnx.jit``, ``jax.jit`` of ``apply``,
+``eqx.filter_jit``), where trace counts prove the caches right. Haiku has no model object: its
+"state" is the parameters of ``hk.transform``, and its outermost module is keyed by its name.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import equinox as eqx
 import flax.linen as nn
+import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -75,6 +77,23 @@ class EqxMLP(eqx.Module):
         return self.layers[1](jax.nn.relu(self.layers[0](x)))
 
 
+class HaikuMLP(hk.Module):
+    def __init__(self) -> None:
+        super().__init__(name="mlp")
+        self.layers = [hk.Linear(4), hk.Linear(2)]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.layers[1](jax.nn.relu(self.layers[0](x)))
+
+
+def haiku_forward(x: jax.Array) -> jax.Array:
+    return HaikuMLP()(x)
+
+
+HAIKU = hk.transform(haiku_forward)
+HAIKU_PARAMS = {"mlp/~/linear": {"w": W1, "b": B1}, "mlp/~/linear_1": {"w": W2, "b": B2}}
+
+
 @dataclasses.dataclass
 class Framework:
     """One framework's model, how to call it, and how it names things."""
@@ -86,6 +105,7 @@ class Framework:
     linear: type
     keys: tuple[str, str]  # the two layers' call-site keys
     module_type: type
+    root: str = ""  # the outermost module's key
 
     def forward(self, mode: str, counter: Callable[[], None] | None = None) -> Callable:
         """``f(x) -> y`` eagerly or under the framework's jit (one jitted function per call)."""
@@ -125,6 +145,17 @@ def _make(name: str) -> Framework:
         return Framework(
             "linen", params, lm.apply, jax.jit, nn.Dense, ("layers_0", "layers_1"), LinenMLP
         )
+    if name == "haiku":
+        return Framework(
+            "haiku",
+            HAIKU_PARAMS,
+            lambda p, x: HAIKU.apply(p, None, x),
+            jax.jit,
+            hk.Linear,
+            ("mlp/linear", "mlp/linear_1"),
+            HaikuMLP,
+            root="mlp",
+        )
     em = EqxMLP()
     return Framework(
         "equinox",
@@ -137,7 +168,7 @@ def _make(name: str) -> Framework:
     )
 
 
-@pytest.fixture(params=["nnx", "linen", "equinox"])
+@pytest.fixture(params=["nnx", "linen", "equinox", "haiku"])
 def framework(request: Any) -> Framework:
     return _make(request.param)
 
@@ -209,7 +240,7 @@ def test_intercept_sees_every_call_site_with_paths(framework: Framework, mode: s
         close(framework.forward(mode)(X), out(h1(X)))
     lin = framework.linear.__name__
     assert rec.seen == [
-        ("", framework.module_type.__name__),
+        (framework.root, framework.module_type.__name__),
         (framework.keys[0], lin),
         (framework.keys[1], lin),
     ]
@@ -301,10 +332,10 @@ def test_register_hooks(framework: Framework) -> None:
         with hx.register_forward_hook(framework.state, hook, where=framework.keys[0]):
             close(framework.forward("eager")(X), out(h1(X) + 1))
         return
-    model = framework.state if framework.name == "equinox" else LinenMLP()
-    kind = "Equinox" if framework.name == "equinox" else "Flax Linen"
+    model = {"equinox": framework.state, "haiku": HAIKU}.get(framework.name, LinenMLP())
+    kind = {"equinox": "Equinox", "haiku": "Haiku"}.get(framework.name, "Flax Linen")
     for register in (hx.register_forward_hook, hx.register_full_backward_hook):
-        with pytest.raises(hx.HookaxError, match=rf"{kind} modules are immutable.*hx\.hooks\("):
+        with pytest.raises(hx.HookaxError, match=rf"{kind} modules are .*hx\.hooks\("):
             register(model, hook)
 
 
@@ -345,7 +376,7 @@ def test_capture_under_vmap_and_after_hooks(framework: Framework) -> None:
     xs = jnp.stack([X, -X, 2 * X])
     y, acts = jax.vmap(hx.capture(framework.apply), in_axes=(None, 0))(framework.state, xs)
     close(y, jax.vmap(lambda x: out(h1(x)))(xs))
-    assert list(acts) == ["", *framework.keys]
+    assert list(acts) == [framework.root, *framework.keys]
     close(acts[framework.keys[0]][0], jax.vmap(h1)(xs))
     # outputs are captured after forward hooks ran
     with hx.hooks(where=framework.keys[0], forward=plus_one):
@@ -377,19 +408,23 @@ def test_value_and_grad(framework: Framework, mode: str) -> None:
 
 
 def test_summary(framework: Framework) -> None:
-    model = LinenMLP() if framework.name == "linen" else framework.state
+    model = {"linen": LinenMLP(), "haiku": HAIKU}.get(framework.name, framework.state)
     s = hx.summary(model, jax.ShapeDtypeStruct((3,), jnp.float32))
-    assert [r.key for r in s.rows] == ["", *framework.keys]
-    assert [r.type for r in s.rows] == [
-        framework.module_type.__name__,
-        framework.linear.__name__,
-        framework.linear.__name__,
+    # Haiku's first row is the function given to hk.transform, its outermost module the second
+    lead = [("", "haiku_forward", 26, ("f32[2]",))] if framework.name == "haiku" else []
+    mlp = framework.module_type.__name__
+    lin = framework.linear.__name__
+    assert [(r.key, r.type, r.params, r.outputs) for r in s.rows] == [
+        *lead,
+        (framework.root, mlp, 26, ("f32[2]",)),
+        (framework.keys[0], lin, 16, ("f32[4]",)),
+        (framework.keys[1], lin, 10, ("f32[2]",)),
     ]
-    assert [r.outputs for r in s.rows] == [("f32[2]",), ("f32[4]",), ("f32[2]",)]
-    assert [r.params for r in s.rows] == [26, 16, 10]
+    assert [r.depth for r in s.rows[len(lead) :]] == [len(lead), len(lead) + 1, len(lead) + 1]
     assert (s.totals.params, s.totals.param_bytes) == (26, 104)
     # XLA's FLOP count of the same computation, whichever framework wrote it.
-    assert [r.flops for r in s.rows] == [_reference_flops(), 28, 18]
+    flops = [_reference_flops()] * (len(lead) + 1)
+    assert [r.flops for r in s.rows] == [*flops, 28, 18]
     assert "26" in str(s)
 
 

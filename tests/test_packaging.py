@@ -45,7 +45,7 @@ def test_library_dependencies_are_ranges_with_rich_in_core():
     core = project["dependencies"]
     assert {_name(r) for r in core} == {"jax", "rich"}
     extras = project["optional-dependencies"]
-    names = ("nnx", "linen", "equinox", "plot", "harvest", "tensorboard", "data")
+    names = ("nnx", "linen", "equinox", "haiku", "plot", "harvest", "tensorboard", "data")
     library = core + [r for e in names for r in extras[e]]
     for req in library:
         assert ">=" in req and "==" not in req and "<" not in req, req
@@ -60,7 +60,7 @@ def test_oldest_constraints_pin_the_lower_bounds():
     project = _project()
     extras = project["optional-dependencies"]
     reqs = project["dependencies"]
-    names = ("nnx", "equinox", "plot", "harvest", "tensorboard", "data")
+    names = ("nnx", "equinox", "haiku", "plot", "harvest", "tensorboard", "data")
     reqs += [r for e in names for r in extras[e]]
     lower = {_name(r): _version(r.split(">=")[1]) for r in reqs}
     lines = (ROOT / "constraints-oldest.txt").read_text().splitlines()

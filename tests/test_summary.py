@@ -231,16 +231,18 @@ def test_rejected_input_propagates_with_the_call_site_named():
 
 
 def test_bad_arguments():
-    with pytest.raises(hx.HookaxError, match="none of the positional arguments is a module"):
-        hx.summary(lambda x: x, jnp.ones(2))
-    with pytest.raises(hx.HookaxError, match="supports Flax NNX, Flax Linen and Equinox modules"):
+    # A function of no module is a program without modules: its own call sites are the rows.
+    assert [r.key for r in hx.summary(lambda x: x, jnp.ones(2)).rows] == [""]
+    with pytest.raises(
+        hx.HookaxError, match="supports Flax NNX, Flax Linen and Equinox modules and Haiku t"
+    ):
         hx.summary(object(), jnp.ones(2))
     with pytest.raises(hx.HookaxError, match=r"depth=\.\.\.\) takes an int >= 0 or None, got -1"):
         hx.summary(nnx.Linear(2, 2, rngs=nnx.Rngs(0)), jnp.ones((1, 2)), depth=-1)
 
 
 def test_every_example_is_listed():
-    assert NAMES == ("cnn", "mlp", "resnet", "transformer")
+    assert NAMES == ("cnn", "mlp", "resnet", "transformer", "llama_functions")
 
 
 def test_call_sites_inside_nnx_scan_keep_their_paths():
@@ -557,8 +559,11 @@ def test_a_function_that_calls_the_model():
     em = eqx.nn.Linear(4, 3, key=jax.random.key(0))
     e = hx.summary(lambda m, x: jnp.tanh(m(x)), em, "f32[4]")
     assert e.totals.params == 15 and e.rows[0].outputs == ("f32[3]",)
-    with pytest.raises(hx.HookaxError, match="none of the positional arguments is a module"):
-        hx.summary(forward, "f32[2,4]", "f32[2,4]")
+    with pytest.raises(hx.HookaxError, match="missing a required argument: 'x'"):
+        hx.summary(forward, "f32[2,4]", "f32[2,4]")  # the model left out
+    with pytest.raises(TypeError, match="not callable") as info:  # a program without modules
+        hx.summary(forward, "f32[2,4]", "f32[2,4]", "f32[2,4]")
+    assert any("none of its positional arguments is a module" in n for n in info.value.__notes__)
     with pytest.raises(hx.HookaxError, match="cannot call forward"):
         hx.summary(forward, model)
 

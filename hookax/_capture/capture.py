@@ -185,7 +185,11 @@ class _Session:
                     _intercept.scoped(_intercept.Entry("ops", handler, _ops.Sites(self.ops)))
                 )
                 stack.enter_context(_ops.named_softmax())
-            out = _tagrules.run(s, fn, *args, **kwargs)
+            try:
+                out = _tagrules.run(s, fn, *args, **kwargs)
+            except ValueError as e:
+                _adapters.note_haiku_outside_transform(e, s.who)
+                raise
         if s.mode == "reap":  # a differentiated run follows a measuring run that checked it
             if self.where is not _NO_SITES:
                 check_matched(s.who, self.where, self.checked, s, lambda: FnKey(fn))
@@ -298,6 +302,9 @@ def check_variables(who: str, fn: Any) -> None:
     """Refuse an unbound Linen module as ``fn`` (or a method of one, but ``model.apply``),
     saying how to give it its variables (Flax's own error names neither the call nor the fix).
     Only ``fn`` itself: a function may bind a module it closes over or takes."""
+    haiku = _adapters.haiku_transform_given(who, fn)
+    if haiku is not None:
+        raise haiku
     objs = [fn]
     if getattr(fn, "__name__", None) not in _LINEN_ENTRY_POINTS:
         objs.append(getattr(fn, "__self__", None))
@@ -498,6 +505,9 @@ def capture(
       >>> bool(jnp.isnan(acts[""][0][5:]).all())
       True
     """
+    haiku = _adapters.haiku_transform_given("hx.capture", fn)
+    if haiku is not None:
+        raise haiku
     fn = as_program(fn)  # a program without modules: its own call sites
     if not callable(fn):
         raise HookaxError(

@@ -28,7 +28,10 @@ __all__ = ["jit_kind", "jitted_capture", "lookup"]
 
 
 def jit_kind(fn: Any) -> str | None:
-    """``"jax"``, ``"nnx"`` or ``"equinox"`` for a function jitted that way, else None."""
+    """``"jax"``, ``"nnx"`` or ``"equinox"`` for a function jitted that way, else None (a
+    program without modules, ``hx.program(f)``, is jitted as ``f`` is)."""
+    if getattr(type(fn), "__hookax_program__", False):
+        return jit_kind(fn.fn)
     if hasattr(fn, "_jit_info") and hasattr(fn, "_fun") and hasattr(fn, "lower"):
         return "jax"
     cls = type(fn)
@@ -107,6 +110,8 @@ def _unpack(packed: Any) -> dict[str, Any] | None:
 
 def _jit_like(fn: Any, kind: str, inner: Callable[..., Any]) -> Callable[..., Any]:
     """``inner`` jitted the way ``fn`` is, with its static and donated arguments."""
+    if getattr(type(fn), "__hookax_program__", False):
+        fn = fn.fn
     if kind == "jax":
         info = fn._jit_info
         return jax.jit(

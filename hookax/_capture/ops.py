@@ -294,7 +294,7 @@ def enter_site(frame: Any, ctx: Any, entries: list[Any], fn: Callable[..., Any])
     return cm, method
 
 
-_dispatch.site_scope[0] = enter_site  # the dispatcher's hook for ops= entries
+_dispatch.SITE_SCOPE.register(enter_site, __name__)
 
 
 def scope_chain(frame: Any) -> tuple[str, ...]:

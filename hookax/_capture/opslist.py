@@ -6,6 +6,7 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from .._engine import adapters as _adapters
 from .._engine.select import ALL_METHODS, Where, as_selector, resolve_instances
 from ..frameworks._functions import as_program
 from .ops import Listing, OpHandler, OpPattern, OpRow, named_softmax
@@ -156,5 +157,9 @@ def ops(fn: Callable[..., Any], *args: Any, where: Where = None, **kwargs: Any) 
     else:
         call = lambda *a, **k: fn(*a, **k)  # noqa: E731
     with tracked(Entry("ops", handler, selector), "hx.ops", where), named_softmax():
-        eval_shape(call, mode, args, kwargs)
+        try:
+            eval_shape(call, mode, args, kwargs)
+        except ValueError as e:
+            _adapters.note_haiku_outside_transform(e, "hx.ops")
+            raise
     return Ops(listing.rows)

@@ -10,10 +10,11 @@ summary`` and ``hookax gradflow`` themselves; the entry point is :mod:`hookax._c
 
 A factory is ``package.module:function`` (the current directory is importable) or
 ``path/to/file.py:function``; it is called once, with no arguments, and returns a Flax NNX, Flax
-Linen or Equinox module. A mistake on the command line (an unknown example, a factory that does
-not import, an input spec that does not parse, an input that does not fit the model) prints one
-line on stderr and exits with 2; so does an exception of the model's own, shown as the model's
-with its call site and line (:mod:`hookax._cli.failures`).
+Linen or Equinox module, or a Haiku transform (``hk.transform(forward)``: ``hookax summary`` and
+``hookax ops`` initialise its parameters abstractly). A mistake on the command line (an unknown
+example, a factory that does not import, an input spec that does not parse, an input that does
+not fit the model) prints one line on stderr and exits with 2; so does an exception of the
+model's own, shown as the model's with its call site and line (:mod:`hookax._cli.failures`).
 
 Subcommands are :class:`Command`\\ s in :data:`COMMANDS`; :func:`register` adds one, and
 :func:`add_model_arguments` / :func:`load_model` give it the same model options as the others.
@@ -33,7 +34,7 @@ from typing import Any, NoReturn
 
 from .failures import _TRACING_ERRORS, model_failed
 from .failures import first_line as _first_line
-from .flags import call_problem, in_flags, where_error
+from .flags import call_problem, function_problem, in_flags, where_error
 
 __all__ = [
     "COMMANDS",
@@ -107,7 +108,9 @@ def add_model_arguments(c: argparse.ArgumentParser) -> None:
         "factory",
         nargs="?",
         help="package.module:function or path/to/file.py:function returning a Flax NNX, "
-        "Flax Linen or Equinox module (called once, with no arguments)",
+        "Flax Linen or Equinox module, or (hookax summary) a program without modules as a "
+        "tuple (forward, weights, ...) of a function and its leading arguments (called once, "
+        "with no arguments)",
     )
     c.add_argument("--example", help=f"a built-in example: {', '.join(NAMES)}")
     c.add_argument(
@@ -144,6 +147,7 @@ class LoadedModel:
     kwargs: dict[str, Any]
     name: str
     int_high: int = 2  # random integer inputs are drawn in [0, int_high)
+    program: bool = False  # ``model`` is a function over its arguments, calling no module
 
 
 def _load_factory(spec: str, what: str = "factory") -> Any:
@@ -350,28 +354,52 @@ def load_model(args: argparse.Namespace, *, abstract: bool) -> LoadedModel:
                 f"unknown example {args.example!r}; choose one of: {', '.join(examples.NAMES)}"
             ) from None
         inputs = _inputs(args, ex.example_inputs())
-        from flax import nnx
+        if args.example in examples.PROGRAMS:
+            build: Callable[[], Any] = ex.make_program
+        else:
+            from flax import nnx
 
-        build: Callable[[], Any] = lambda: ex.make_model(nnx.Rngs(0))  # noqa: E731
+            build = lambda: ex.make_model(nnx.Rngs(0))  # noqa: E731
         name, int_high = args.example, getattr(ex, "INT_HIGH", 2)
     else:
         build = _load_factory(args.factory)
-        inputs = _inputs(args, None)
+        inputs = _inputs(args, ()) if not args.input and not args.kw else _inputs(args, None)
         name, int_high = args.factory, 2
     _warn_64_bit(jax.tree.leaves((inputs, kwargs)))
     inputs, kwargs = _as_32_bit((inputs, kwargs))
     model = _build(build, name, abstract)
+    program = _program(model)
+    if program is not None:  # a program without modules and its leading arguments
+        return LoadedModel(program[0], (*program[1], *inputs), kwargs, name, int_high, True)
+    if args.factory is not None and not inputs and not kwargs:
+        _inputs(args, None)  # a module needs its input: say how to give it
     from .._engine.adapters import adapter_for
+    from .._summary.haiku import is_transformed
 
     import_nnx = sys.modules.get("flax.nnx")
     is_nnx = import_nnx is not None and isinstance(model, import_nnx.Module)
-    if not is_nnx and adapter_for(model) is None:
+    if not is_nnx and adapter_for(model) is None and not is_transformed(model):
         raise UsageError(
             f"{name!r} returned {type(model).__name__}, not a Flax NNX, Flax Linen or "
-            "Equinox module"
+            "Equinox module, a Haiku transform (hk.transform(forward)), nor a function with its "
+            "arguments (forward, weights)"
         )
     _enter_model_mesh(model)
     return LoadedModel(model, inputs, kwargs, name, int_high)
+
+
+def _program(made: Any) -> tuple[Any, tuple[Any, ...]] | None:
+    """``(function, its leading arguments)`` where a factory returned a program without modules
+    as a tuple ``(forward, weights, ...)``; None for anything else."""
+    from .._engine.adapters import adapter_for
+    from .._summary.haiku import is_transformed
+
+    if not isinstance(made, tuple) or not made or is_transformed(made):  # hk.transform's tuple
+        return None
+    fn = made[0]
+    if not callable(fn) or isinstance(fn, type) or adapter_for(fn) is not None:
+        return None
+    return fn, made[1:]
 
 
 def load_nnx_or_equinox(args: argparse.Namespace, does: str, *, linen: bool = False) -> LoadedModel:
@@ -394,10 +422,15 @@ def load_nnx_or_equinox(args: argparse.Namespace, does: str, *, linen: bool = Fa
                 f"{type(loaded.model).__name__}); pass its own argument instead, e.g. "
                 f"--kw deterministic=true"
             )
+    elif loaded.program:
+        raise UsageError(
+            f"{does} Flax NNX and Equinox models; {loaded.name!r} is a program without modules "
+            "(hookax summary takes it)"
+        )
     else:
         raise UsageError(
             f"{does} Flax NNX and Equinox models; {loaded.name!r} is a "
-            f"{type(loaded.model).__name__} (hookax summary takes it)"
+            f"{type(loaded.model).__name__} (hookax summary and hookax ops take it)"
         )
     return loaded
 
@@ -408,7 +441,10 @@ def check_call(
     """Refuse, before any work, a ``--method`` the model does not have, or ``--input`` and
     ``--kw`` that its method does not take (``kwargs``: those it is called with)."""
     kwargs = loaded.kwargs if kwargs is None else kwargs
-    problem = call_problem(loaded.model, method, loaded.args, kwargs)
+    if loaded.program:
+        problem = function_problem(loaded.model, method, loaded.args, kwargs)
+    else:
+        problem = call_problem(loaded.model, method, loaded.args, kwargs)
     if problem is not None:
         raise UsageError(problem)
 

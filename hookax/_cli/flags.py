@@ -20,7 +20,7 @@ import re
 import sys
 from typing import Any
 
-__all__ = ["call_problem", "in_flags", "public_methods", "where_error"]
+__all__ = ["call_problem", "function_problem", "in_flags", "public_methods", "where_error"]
 
 # keyword argument -> flag
 FLAGS = {
@@ -107,6 +107,17 @@ def call_problem(
 ) -> str | None:
     """What is wrong with calling ``model.method(*args, **kwargs)``, in the command's flags
     (``--method``, ``--input``, ``--kw``); None when nothing is."""
+    from .._summary.haiku import is_transformed, original_fn
+
+    if is_transformed(model):  # the function hk.transform was given is what runs
+        fn = original_fn(model)
+        if method != "__call__":
+            return f"--method {method!r}: a Haiku transform runs its function; leave --method out"
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature
+            return None
+        return _argument_problem(f"{getattr(fn, '__name__', 'forward')}{sig}", sig, args, kwargs)
     name = type(model).__name__
     methods = public_methods(type(model))
     private = method.startswith("_") and method != "__call__"
@@ -122,6 +133,25 @@ def call_problem(
         return_annotation=sig.empty,
     )
     return _argument_problem(f"{name}.{method}{plain}", sig, args, kwargs)
+
+
+def function_problem(
+    fn: Any, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> str | None:
+    """What is wrong with calling a program without modules, ``fn(*args, **kwargs)`` (its
+    leading arguments from the factory, then the ``--input``\\ s), in the command's flags."""
+    name = getattr(fn, "__name__", type(fn).__name__)
+    if method != "__call__":
+        return f"--method {method!r}: {name} is a function (a program without modules)"
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # pragma: no cover - a builtin without a signature
+        return None
+    plain = sig.replace(
+        parameters=[p.replace(annotation=p.empty) for p in sig.parameters.values()],
+        return_annotation=sig.empty,
+    )
+    return _argument_problem(f"{name}{plain}", sig, args, kwargs)
 
 
 def _argument_problem(

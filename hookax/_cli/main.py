@@ -187,12 +187,13 @@ def _whole_tracebacks() -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``hookax`` command; returns the exit code (0, 2 for a usage mistake or a failure,
     130 for Ctrl-C: :mod:`hookax._cli.interrupt`)."""
+    from .. import examples
     from .._util.extras import MissingExtraError, require
 
     try:
         args = _parse(argv)
         # Missing packages are named before any work (gradients are not computed for nothing).
-        if getattr(args, "example", None) is not None:
+        if getattr(args, "example", None) not in (None, *examples.PROGRAMS):
             require("flax", "nnx", f"hookax {args.command} --example (the examples are Flax NNX)")
         if args.command == "gradflow":
             require("matplotlib", "plot", "hookax gradflow (it draws a chart)")

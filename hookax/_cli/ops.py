@@ -49,8 +49,17 @@ def _abstract_call(model: Any, inputs: tuple, kwargs: dict, eval_mode: bool) -> 
     (the model's arrays are ``jax.ShapeDtypeStruct``: they cannot be closed over)."""
     import jax
 
+    from .._summary.haiku import is_transformed, original_fn
+
     nnx = sys.modules.get("flax.nnx")
     linen = sys.modules.get("flax.linen")
+    if is_transformed(model):
+        import haiku as hk
+
+        t = hk.transform_with_state(original_fn(model))
+        key = jax.random.key(0)
+        variables = jax.eval_shape(lambda *a, **k: t.init(key, *a, **k), *inputs, **kwargs)
+        return (lambda v, *a, **k: t.apply(*v, key, *a, **k)[0]), (variables, *inputs)
     if nnx is not None and isinstance(model, nnx.Module):
         if eval_mode:
             model.eval()

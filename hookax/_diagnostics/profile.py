@@ -101,9 +101,10 @@ def profile(
     compiled, dynamic = _compile(step, args, kwargs, log)
     if not log.sites:
         raise HookaxError(
-            f"{WHO}: {_name(step)} called no module (Flax NNX, Flax Linen or Equinox), so there "
-            "is no call site to time. Fix: profile a function that calls the model, e.g. "
-            "hx.profile(jax.jit(lambda m, x: nnx.grad(loss)(m, x)), model, x)."
+            f"{WHO}: no call site of {_name(step)} ran while it was traced (it calls no module "
+            "of Flax NNX, Flax Linen, Equinox or Haiku, and is no program of JAX functions "
+            "hookax could trace), so there is nothing to time. Fix: profile the function "
+            "that calls the model, with its arguments: hx.profile(step, model, x)."
         )
     for _ in range(warmup):
         jax.block_until_ready(compiled(*dynamic))

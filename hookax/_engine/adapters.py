@@ -9,7 +9,10 @@ An adapter is loaded the first time hookax is used while its framework is import
 * ``root_done()``: called when the outermost call site on this thread returns.
 
 Optional: ``relative_path(root, module)`` (a path without walking the model, where modules know
-their own: Linen) and ``immutable`` (modules take only scoped hooks: Linen, Equinox).
+their own: Linen), ``own_path(module)`` (the whole path, whatever the root: Haiku, whose
+outermost module is keyed by its name, not ``""``), ``outer_trace()`` (the JAX trace a root's
+model call started in, where that is before the root's own call: Haiku's ``apply``) and
+``immutable`` (modules take only scoped hooks: Linen, Equinox, Haiku).
 
 Adapters install when hookax is first used, or at ``import hookax`` for frameworks imported
 before it; Linen's also right after ``flax.linen`` is imported when hookax came first (an import
@@ -29,10 +32,13 @@ __all__ = [
     "StaleTraceWarning",
     "adapter_for",
     "ensure_installed",
+    "haiku_transform_given",
     "installed",
+    "is_haiku_model",
     "is_linen",
     "key_linen_interceptors",
     "linen_needs_variables",
+    "note_haiku_outside_transform",
     "unbound_linen",
 ]
 
@@ -45,6 +51,7 @@ _FRAMEWORKS: tuple[tuple[str, str, str], ...] = (
     ("nnx", "flax.nnx", "_nnx"),
     ("linen", "flax.linen", "_linen"),
     ("equinox", "equinox", "_equinox"),
+    ("haiku", "haiku", "_haiku"),
     # Programs without modules: their functions' calls and named scopes (jax is always there).
     ("functions", "jax", "_functions"),
 )
@@ -122,6 +129,56 @@ def unbound_linen(objs: Any) -> Any | None:
         if isinstance(obj, nn.Module) and obj.scope is None:
             return obj
     return None
+
+
+def is_haiku_model(obj: Any) -> bool:
+    """A Haiku module, or what ``hk.transform(_with_state)`` returns, or its ``init``/``apply``."""
+    hk = sys.modules.get("haiku")
+    if hk is None:
+        return False
+    if isinstance(obj, hk.Module | hk.Transformed | hk.TransformedWithState):
+        return True
+    return callable(obj) and hasattr(obj, "_original_fn")  # Haiku's init and apply functions
+
+
+def haiku_transform_given(who: str, obj: Any) -> Exception | None:
+    """The error for what ``hk.transform`` returns given to ``who`` in place of a function
+    (it runs through its ``apply``, with the parameters), or None for anything else."""
+    hk = sys.modules.get("haiku")
+    if hk is None or not isinstance(obj, hk.Transformed | hk.TransformedWithState):
+        return None
+    from .._util.errors import HookaxError
+
+    state = ", state" if isinstance(obj, hk.TransformedWithState) else ""
+    return HookaxError(
+        f"{who} of a Haiku {type(obj).__name__}: Haiku runs a model through its apply, with its "
+        f"parameters. Fix: pass apply, {_haiku_fix(who, state)}, with params{state} = "
+        "t.init(rng, x) (rng may be None where the model draws no numbers)."
+    )
+
+
+def _haiku_fix(who: str, state: str = "") -> str:
+    """How ``who`` runs a Haiku model ``t = hk.transform(fn)``."""
+    if who == "hx.ops":
+        return f"hx.ops(t.apply, params{state}, rng, x)"
+    if who == "hx.value_and_grad":
+        return f"hx.value_and_grad(lambda p, x: loss(t.apply(p{state}, rng, x)))(params, x)"
+    return f"{who}(t.apply)(params{state}, rng, x)"
+
+
+_HAIKU_OUTSIDE = "must be initialized inside an `hk.transform`"
+
+
+def note_haiku_outside_transform(e: BaseException, who: str) -> None:
+    """Add the fix to Haiku's error for a module built outside ``hk.transform``."""
+    if isinstance(e, ValueError) and _HAIKU_OUTSIDE in str(e) and "haiku" in sys.modules:
+        from .._util.errors import add_note
+
+        add_note(
+            e,
+            f"hookax: {who} ran a function that builds Haiku modules outside hk.transform. Fix: "
+            f"t = hk.transform(fn); params = t.init(rng, x); {_haiku_fix(who)}.",
+        )
 
 
 def is_linen(obj: Any) -> bool:

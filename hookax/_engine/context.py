@@ -22,6 +22,7 @@ from typing import Any
 import jax
 
 from .._util.jaxcompat import core as _jax_core
+from .plugins import Slot
 
 __all__ = ["ACTIVE", "Context", "Frame", "active_entries", "call_stack", "path_str"]
 
@@ -256,8 +257,12 @@ def _parent(trace: Any) -> Any:
     return parent if parent is not None else getattr(trace, "parent", None)
 
 
-# Set by :mod:`hookax._hooks.layergate`: ``fn(frame) -> traced int | None``.
-layer_of: list[Callable[[Frame], Any]] = [lambda frame: None]
+LAYER_OF: Slot[Callable[[Frame], Any]] = Slot(
+    "layer_of",
+    lambda frame: None,
+    "layer_of(frame) -> traced int | None: the scan iteration a call site runs in "
+    "(hx.Context.layer).",
+)
 
 
 class Frame:
@@ -296,7 +301,12 @@ class Frame:
         self.layer: Any = None
         # The root's: the JAX trace its call started in (a scan entered below it runs layers).
         self.trace: Any = current_trace()  # the JAX trace the call started in
-        self.outer_trace: Any = self.trace if parent is None else None
+        self.outer_trace: Any = None
+        if parent is None:
+            # A framework whose calls run inside a transform of their own (Haiku's ``apply``)
+            # gives the trace that transform started in: scans entered there are the root's.
+            outer = getattr(adapter, "outer_trace", None)
+            self.outer_trace = (outer() if outer is not None else None) or self.trace
         # Whether the call runs inside a scan, once pinned (see pin_scan).
         self.scanned: bool | None = None
 
@@ -348,6 +358,10 @@ class Frame:
     @property
     def path(self) -> tuple[Any, ...]:
         if self._path is None:
+            own = getattr(self.adapter, "own_path", None)
+            if own is not None:  # modules that know their whole path (Haiku's module names)
+                self._path = own(self.module)
+                return self._path
             if self.parent is None:
                 self._path = ()
                 return ()
@@ -361,6 +375,8 @@ class Frame:
                 path = self._rebuilt_path()
             if path is None:
                 path = self._bridged_path()
+            if path is None:
+                path = self._built_path()
             # Not reachable from any root in progress: this module is a root of its own.
             self._path = () if path is None else path
         return self._path
@@ -376,6 +392,17 @@ class Frame:
             return None
         self._bridged = True
         return f.path
+
+    def _built_path(self) -> tuple[Any, ...] | None:
+        """The path of a module no root holds, called inside a call of its own framework's
+        module (Haliax's ``hnn.Linear`` builds a ``DefaultDotGeneralOp`` on every call): below
+        that call, named by its class; never the root's path."""
+        f = self.parent
+        while f is not None and f.adapter is not self.adapter:
+            f = f.parent
+        if f is None:
+            return None
+        return (*f.path, type(self.module).__name__)
 
     def bridged(self) -> bool:
         """Whether this call runs below a bridged root (modules rebuilt on every call)."""
@@ -465,7 +492,7 @@ class Context:
         """The iteration of the scan this call site runs in (one layer of a scanned stack), as a
         traced ``int32`` scalar; ``None`` when the call site is not inside a ``lax.scan``
         (``nnx.scan``, ``nn.scan``) entered within the model's call."""
-        return layer_of[0](self._frame)
+        return LAYER_OF.fn(self._frame)
 
     def __repr__(self) -> str:
         return (

@@ -13,6 +13,7 @@ from typing import Any
 
 from .._util import errors as _errors
 from . import context as _context
+from .plugins import Slot
 
 __all__ = ["call"]
 
@@ -28,23 +29,30 @@ def _name(fn: Any) -> str:
     return getattr(fn, "__qualname__", None) or repr(fn)
 
 
-# Higher layers plug in here rather than being imported: the hooks layer replaces
-# ``run_method[0]`` (:mod:`hookax._hooks.hookrun`), and operations inside call sites set
-# ``site_scope[0]`` (:mod:`hookax._capture.ops`). ``import hookax`` installs both.
+# Higher layers plug in here rather than being imported (see :mod:`.plugins`; ``import hookax``
+# fills every slot).
 def _plain(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     return fn(frame.module, *args, **kwargs)
 
 
-run_method: list[Callable[..., Any]] = [_plain]
+RUN_METHOD: Slot[Callable[..., Any]] = Slot(
+    "run_method",
+    _plain,
+    "run(frame, fn, args, kwargs): a call site's method with its hooks (pre-hooks, the method, "
+    "forward hooks, backward identities); the dispatcher calls it innermost.",
+)
 
 
 def _no_layers(interceptor: Any, layers: frozenset[int]) -> Any:
     raise AssertionError("hookax: a layer suffix is active but hookax._hooks is not loaded")
 
 
-# ``layer_gate[0](interceptor, layers)``: the interceptor applied to those scan iterations only
-# (:mod:`hookax._hooks.layergate`).
-layer_gate: list[Callable[..., Any]] = [_no_layers]
+LAYER_GATE: Slot[Callable[..., Any]] = Slot(
+    "layer_gate",
+    _no_layers,
+    "gate(interceptor, layers): the interceptor applied to those iterations of a scan only "
+    "(a where= with a layer suffix).",
+)
 
 
 class _Gated:
@@ -58,7 +66,12 @@ def _no_ops(frame: Any, ctx: Any, entries: list[Any], fn: Any) -> Any:
     raise AssertionError("hookax: an ops= entry is active but hookax._capture.ops is not loaded")
 
 
-site_scope: list[Callable[..., Any]] = [_no_ops]
+SITE_SCOPE: Slot[Callable[..., Any]] = Slot(
+    "site_scope",
+    _no_ops,
+    "enter(frame, ctx, entries, fn) -> (scope, fn): a call site's name-stack scope while ops= "
+    "entries are active, and its method run under the operation trace where one names it.",
+)
 
 
 def call(
@@ -106,7 +119,7 @@ def bare(
 
 
 def _run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-    run = run_method[0]
+    run = RUN_METHOD.fn
 
     def inner(*a: Any, **k: Any) -> Any:
         try:
@@ -136,7 +149,7 @@ def _run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dic
                     recorders.append(e)
                 elif e.layered:
                     layers = e.selector.layers(ctx)
-                    chain.append(e if layers is None else _Gated(layer_gate[0](e.fn, layers)))
+                    chain.append(e if layers is None else _Gated(LAYER_GATE.fn(e.fn, layers)))
                 else:
                     chain.append(e)
             if tracking:
@@ -153,7 +166,7 @@ def _run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dic
         # Operations inside call sites: every call site gets its name-stack scope, and the
         # method of one that an ops= pattern names runs under an OpTrace (``inner`` reads
         # ``fn`` when it runs). Every ops entry sees every call site (for its error messages).
-        scope, fn = site_scope[0](frame, ctx, ops, fn)
+        scope, fn = SITE_SCOPE.fn(frame, ctx, ops, fn)
         with scope:
             if not chain:
                 return inner(*args, **kwargs)

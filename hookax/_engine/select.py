@@ -618,8 +618,10 @@ def check_matched(
         if not seen:
             if where is None:
                 raise SelectorError(
-                    f"{who}: the function called no module, so there is nothing to capture. "
-                    f"Fix: pass the model, or a function that calls it: {who}(model)(x)."
+                    f"{who}: no call site ran (the function calls no module of Flax NNX, Flax "
+                    "Linen, Equinox or Haiku, and no program of JAX functions was traced), so "
+                    f"there is nothing to capture. Fix: give {who} the model, or the function "
+                    "that calls it, as its first argument."
                 )
             # The Python did not run (a cached trace), or no module did. A trace in which this
             # where= matched nothing was reported when it traced; its caller may have caught

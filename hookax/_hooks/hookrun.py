@@ -1,4 +1,4 @@
-"""Running hooks at a call site: the hooks layer behind ``_dispatch.run_method``.
+"""Running hooks at a call site: the hooks layer behind ``_dispatch.RUN_METHOD``.
 
 At each call site, for each kind of hook: the scoped hooks (``hx.hooks`` blocks, outermost block
 first) run before the module's own hooks, as PyTorch runs its global module hooks before a
@@ -193,4 +193,4 @@ def run(frame: _context.Frame, fn: Callable[..., Any], args: tuple, kwargs: dict
     return out if wrap_output is None else wrap_output(out)
 
 
-_dispatch.run_method[0] = run  # the dispatcher runs every method through the hooks layer
+_dispatch.RUN_METHOD.register(run, __name__)  # every method runs through the hooks layer

@@ -214,6 +214,14 @@ class HookHandle:
 
 def _adapter(obj: Any, api: str) -> Any:
     adapter = _frameworks.adapter_for(obj)
+    if _frameworks.is_haiku_model(obj):
+        raise HookaxError(
+            f"hx.{api} cannot store a hook on {type(obj).__name__}: Haiku modules are created "
+            "anew by every init and apply, so hooks cannot live on them. Use the scoped form, "
+            "which works on every framework and is cache-correct under jit: `with "
+            "hx.hooks(where=..., forward=hook): y = transformed.apply(params, rng, x)` (where= "
+            "selects the modules by their Haiku names: 'mlp/linear_0', a glob, a class, ...)."
+        )
     if adapter is not None and getattr(adapter, "immutable", False):
         kind = {"linen": "Flax Linen", "equinox": "Equinox"}.get(adapter.name, adapter.name)
         raise HookaxError(

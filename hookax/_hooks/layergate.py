@@ -26,7 +26,7 @@ def _layer_of(frame: _context.Frame) -> Any:
     return frame.layer
 
 
-_context.layer_of[0] = _layer_of
+_context.LAYER_OF.register(_layer_of, __name__)
 
 
 def check_in_scan(frame: _context.Frame, layers: frozenset[int]) -> None:
@@ -86,4 +86,4 @@ def gate(interceptor: Callable[..., Any], layers: frozenset[int]) -> Callable[..
     return gated
 
 
-_dispatch.layer_gate[0] = gate
+_dispatch.LAYER_GATE.register(gate, __name__)

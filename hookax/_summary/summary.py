@@ -9,6 +9,7 @@ from collections.abc import Hashable
 from typing import Any
 
 from .._util.errors import HookaxError
+from . import haiku as _summary_haiku
 from . import render as _summary_render
 
 __all__ = ["Memory", "Summary", "SummaryRow", "SummaryTotals", "summary"]
@@ -23,7 +24,8 @@ class SummaryRow:
     Attributes:
       key: the call site's key (``"layers/0/attn"``, ``"embed:attend"``; ``""`` for the model).
       path: the module's path from the model, a tuple of keys.
-      type: the module's class name.
+      type: the module's class name (a program's call site: its function's name, or
+        ``"named_scope"``).
       method: the method called (``"__call__"``, ...).
       inputs: each array leaf of the arguments as ``"f32[8,64]"`` (other leaves by ``repr``);
         keyword arguments and leaves of pytree arguments are named (``"cache/k: f32[1,8,64]"``).
@@ -249,6 +251,11 @@ def summary(
         calls one, as [`hx.capture`][hookax.capture] takes: ``hx.summary(forward, model, cache,
         tokens)``; the rows are the call sites of the first NNX or Equinox module among its
         positional arguments, and the first row and the totals count the function's own work.
+        Or a function that calls no module (a program over a weight pytree):
+        ``hx.summary(forward, weights, tokens)``; the rows are its own call sites (its Python
+        functions' calls and its ``jax.named_scope`` blocks) and the parameters are the
+        floating-point leaves of its weights, the first positional argument that holds more
+        than one array (see the summary guide, "Programs without modules").
       *example_args: its positional arguments: arrays, ``jax.ShapeDtypeStruct``\\ s, spec
         strings like ``"f32[8,784]"``, or anything else the method takes.
       depth: keep rows at most this deep (see [`SummaryRow`][hookax.SummaryRow]'s ``depth``: the
@@ -280,14 +287,40 @@ def summary(
       ('Linear(f32[8,64])', ('f32[8,32]',), 2080, 33024)
       >>> s.totals.vjp_flops  # forward and backward
       98784
+
+      A program without modules, its weights a pytree of arrays:
+
+      >>> def mlp(x, w):
+      ...     return jax.nn.relu(x @ w["up"]) @ w["down"]
+      >>> def forward(weights, x):
+      ...     return mlp(x, weights["mlp"]) + x
+      >>> weights = {"mlp": {"up": jnp.ones((64, 128)), "down": jnp.ones((128, 64))}}
+      >>> p = hx.summary(forward, weights, "f32[8,64]")
+      >>> [(r.key, r.type, r.params) for r in p.rows]
+      [('', 'forward', 16384), ('mlp', 'mlp', 16384)]
     """
     args, kwargs = _specs_to_structs(example_args), _specs_to_structs(example_kwargs)
-    name, call = None, None
-    if _is_function(model):  # hx.summary(forward, model, cache, tokens), as hx.capture takes
+    name, call, backend = None, None, None
+    _check_options(depth, method, train)
+    from .._engine.adapters import is_haiku_model
+
+    if _is_function(model) and is_haiku_model(model):
+        raise HookaxError(
+            "hx.summary of a Haiku function: pass what hk.transform returned, hx.summary(t, x); "
+            "its parameters are initialised abstractly."
+        )
+    if _is_function(model) and _module_position(args) is None:  # a program without modules
+        name = getattr(model, "__name__", "function")
+        backend, sig = _program_call(model, args, kwargs, method, train)
+    elif _is_function(model):  # hx.summary(forward, model, cache, tokens), as hx.capture takes
         name = getattr(model, "__name__", "function")
         model, args, call, sig = _function_call(model, args, kwargs, method)
-    backend = _check(model, depth, method, train)
-    if call is None:
+    if backend is None:
+        backend = _check(model)
+    if _summary_haiku.is_transformed(model):  # the function hk.transform was given runs
+        fn = _summary_haiku.original_fn(model)
+        name, sig = getattr(fn, "__name__", "function"), _summary_haiku.signature(fn)
+    elif call is None and name is None:
         sig = _signature(model, method)
         if train is not None and sig is not None and "train" in sig.parameters:
             kwargs["train"] = train  # a model's own train= argument gets the switch too
@@ -461,6 +494,62 @@ def _is_function(obj: Any) -> bool:
     return callable(obj) and not isinstance(obj, type) and adapter_for(obj) is None
 
 
+def _module_position(args: tuple) -> int | None:
+    """The position of the first module among ``args``, None when none is one."""
+    from .._engine.adapters import adapter_for
+
+    return next((i for i, a in enumerate(args) if adapter_for(a) is not None), None)
+
+
+def _function_signature(fn: Any, args: tuple, kwargs: dict) -> inspect.Signature | None:
+    """``fn``'s signature, after checking that it takes ``args`` and ``kwargs``."""
+    sig: inspect.Signature | None
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature: leave it to the call
+        return None
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        raise HookaxError(
+            f"hx.summary cannot call {getattr(fn, '__name__', fn)}{sig}: {e}. Fix: pass "
+            "the function's arguments after it: the model among them "
+            "(hx.summary(forward, model, tokens)), or for a function that calls no module, its "
+            "weights (hx.summary(forward, weights, tokens))."
+        ) from None
+    return sig
+
+
+def _program_call(
+    fn: Any, args: tuple, kwargs: dict, method: str, train: bool | None
+) -> tuple[Any, inspect.Signature | None]:
+    """For ``hx.summary(forward, weights, tokens)`` with no module among the arguments: the
+    backend that summarises ``forward`` as a program without modules, and the signature
+    (with a placeholder first parameter) that names its inputs in the title."""
+    from . import programs
+    from .trace import describe_call
+
+    if method != "__call__":
+        raise HookaxError(
+            f"hx.summary: method={method!r} applies to a module; {fn!r} is a function. Fix: "
+            "call the method inside the function."
+        )
+    sig = _function_signature(fn, args, kwargs)
+    if train is not None:
+        if sig is None or "train" not in sig.parameters:
+            raise HookaxError(
+                f"hx.summary(train={train}): {getattr(fn, '__name__', fn)} calls no module, "
+                "so there is no training mode to switch, and it takes no train= argument. "
+                "Fix: pass the program's own switch as a keyword argument, or leave train=None."
+            )
+        kwargs["train"] = train
+    if sig is not None:
+        first = inspect.Parameter("_program", inspect.Parameter.POSITIONAL_ONLY)
+        sig = sig.replace(parameters=[first, *sig.parameters.values()])
+    backend = programs.Program(fn, args, kwargs, describe_call(sig, args, kwargs))
+    return backend, sig
+
+
 def _function_call(
     fn: Any, args: tuple, kwargs: dict, method: str
 ) -> tuple[Any, tuple, Any, inspect.Signature | None]:
@@ -486,19 +575,8 @@ def _function_call(
     def call(m: Any, *a: Any, **k: Any) -> Any:
         return fn(*a[:at], m, *a[at:], **k)
 
-    sig: inspect.Signature | None
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):  # no signature: leave it to the call
-        sig = None
+    sig = _function_signature(fn, args, kwargs)
     if sig is not None:
-        try:
-            sig.bind(*args, **kwargs)
-        except TypeError as e:
-            raise HookaxError(
-                f"hx.summary cannot call {getattr(fn, '__name__', fn)}{sig}: {e}. Fix: pass "
-                "the function's arguments after it, the model among them."
-            ) from None
         params = list(sig.parameters.values())
         del params[at]
         first = inspect.Parameter("_model", inspect.Parameter.POSITIONAL_ONLY)
@@ -542,17 +620,28 @@ def _check_arguments(model: Any, method: str, args: tuple, kwargs: dict) -> None
             )
 
 
-def _check(model: Any, depth: Any, method: Any, train: Any) -> Any:
-    """The backend that traces ``model``'s framework (``trace_calls``, ``collections``)."""
-    from .._engine.adapters import adapter_for
-
+def _check_options(depth: Any, method: Any, train: Any) -> None:
     if depth is not None and (not isinstance(depth, int) or depth < 0):
         raise HookaxError(f"hx.summary(depth=...) takes an int >= 0 or None, got {depth!r}.")
     if not isinstance(method, str):
         raise HookaxError(f"hx.summary(method=...) takes a method name, got {method!r}.")
     if train not in (None, True, False):
         raise HookaxError(f"hx.summary(train=...) takes None, True or False, got {train!r}.")
+
+
+def _check(model: Any) -> Any:
+    """The backend that traces ``model``'s framework (``trace_calls``, ``collections``)."""
+    from .._engine.adapters import adapter_for
+
+    if _summary_haiku.is_transformed(model):
+        return _summary_haiku.Haiku()
     adapter = adapter_for(model)
+    if adapter is not None and adapter.name == "haiku":
+        raise HookaxError(
+            f"hx.summary of a Haiku {type(model).__name__} module: Haiku modules live inside "
+            "the function given to hk.transform. Fix: summarise that, hx.summary(t, x) with "
+            "t = hk.transform(forward)."
+        )
     if adapter is not None and adapter.name in ("linen", "equinox"):
         from . import frameworks as _summary_frameworks
 
@@ -560,9 +649,10 @@ def _check(model: Any, depth: Any, method: Any, train: Any) -> Any:
     nnx_module = _nnx_module_type()
     if nnx_module is None or not isinstance(model, nnx_module):
         raise HookaxError(
-            f"hx.summary supports Flax NNX, Flax Linen and Equinox modules; got "
-            f"{type(model).__name__}. Fix: pass the model (an nnx.Module, an unbound or bound "
-            "nn.Module, or an eqx.Module; build it abstractly to keep it small)."
+            f"hx.summary supports Flax NNX, Flax Linen and Equinox modules and Haiku "
+            f"transforms; got {type(model).__name__}. Fix: pass the model (an nnx.Module, an "
+            "unbound or bound nn.Module, an eqx.Module, or hk.transform(forward); build it "
+            "abstractly to keep it small)."
         )
     from . import trace as _summary_trace
 

@@ -273,9 +273,9 @@ class Recorder:
         rec = Record(
             key=context.key,
             path=tuple(context.path),
-            type=type(module).__name__,
+            type=self.kind(module),
             method=context.method,
-            inputs=describe_call(_signature_of(module, context.method), args, kwargs),
+            inputs=self.describe(module, context.method, args, kwargs),
             module_id=id(module),
             vmapped=_vmapped((args, kwargs)),
         )
@@ -291,6 +291,14 @@ class Recorder:
             raise
         rec.outputs = describe_output(out)
         return out
+
+    def kind(self, module: Any) -> str:
+        """What a row's "Type" says: the module's class."""
+        return type(module).__name__
+
+    def describe(self, module: Any, method: str, args: tuple, kwargs: dict) -> tuple[str, ...]:
+        """A call site's inputs, named by its method's parameters."""
+        return describe_call(_signature_of(module, method), args, kwargs)
 
 
 def _note_rejection(e: Exception, rec: Record) -> None:
@@ -335,18 +343,23 @@ def root_call(module: Any, method: str, call: Any, args: tuple, kwargs: dict, ad
 
 
 def trace_whole(
-    fn: Callable[..., Any], args: tuple[Any, ...], site: Callable[..., Site | None]
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    site: Callable[..., Site | None],
+    recorder: Recorder | None = None,
 ) -> Whole:
     """Trace ``fn(*args)`` (abstract arguments) with the recorder on; the :class:`Whole`.
 
-    Outputs that are no JAX values (a string, a name) are left out of the traced program's
-    result: a summary lists what a model computes, and a ``jit`` cannot return them."""
+    ``args[1]`` are the inputs (counted by the memory estimate); ``recorder`` one of a
+    framework's own (default: a :class:`Recorder` of ``site``). Outputs that are no JAX values
+    (a string, a name) are left out of the traced program's result: a summary lists what a
+    model computes, and a ``jit`` cannot return them."""
 
     def values(*a: Any) -> Any:
         keep = lambda v: _is_array(v) or isinstance(v, int | float | complex)  # noqa: E731
         return jax.tree.map(lambda v: v if keep(v) else None, fn(*a))
 
-    recorder = Recorder(site)
+    recorder = Recorder(site) if recorder is None else recorder
     with intercept(recorder):
         traced = jax.jit(values).trace(*args)
     inputs = sum(cost.nbytes(x) for x in args[1])

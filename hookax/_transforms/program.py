@@ -7,7 +7,8 @@ still there while it is traced: each call of the user's Python functions, and ea
 
 **Discovery.** The function is traced once to a jaxpr (``jax.make_jaxpr``) with a Python profile
 function set on this thread. On each call of a user function (code outside JAX, NumPy, the
-standard library and the other libraries in :data:`_LIBRARIES`) it binds the ``hookax_site``
+standard library and the other libraries in :data:`_LIBRARIES`; hookax's own examples are user
+code) it binds the ``hookax_site``
 marker primitive on the call's array arguments, and on return on its array results: identity
 equations that mark where the call starts and ends in the program and which values went in and
 came out. ``jax.jit`` functions are retraced for discovery (a user-context value keys JAX's caches
@@ -97,11 +98,19 @@ class CallInfo:
 
     Compared by identity: a marker's parameter, hashable without hashing the user's values."""
 
-    __slots__ = ("in_leaves", "in_tree", "local", "name", "out_leaves", "out_tree")
+    __slots__ = ("arg_names", "in_leaves", "in_tree", "local", "name", "out_leaves", "out_tree")
 
-    def __init__(self, name: str, in_tree: Any, in_leaves: list[Any], local: bool = False) -> None:
+    def __init__(
+        self,
+        name: str,
+        in_tree: Any,
+        in_leaves: list[Any],
+        local: bool = False,
+        arg_names: tuple[str, ...] = (),
+    ) -> None:
         self.name = name
         self.local = local  # a function defined inside another (a scan body, a closure)
+        self.arg_names = arg_names  # the names of its positional parameters (``self`` left out)
         # Leaves: the marker's n-th input/output (an int) or a static Python value (_Static).
         self.in_tree = in_tree
         self.in_leaves = in_leaves
@@ -211,6 +220,8 @@ def _library(code: types.CodeType, module: str | None) -> bool:
         return True
     if file.startswith("<"):  # typed or run as text: a doctest, a REPL, exec, python -c
         return False
+    if (module or "").startswith("hookax.examples."):  # the examples are models, not hookax
+        return False
     top = (module or "").partition(".")[0]
     return top in _LIBRARIES or top in _STDLIB
 
@@ -290,7 +301,8 @@ class _Recorder:
                 args = _call_args(frame, code, skip_self)
                 treedef, spec, dyn = _split(args)
                 local = "<locals>" in getattr(code, "co_qualname", "")
-                info = CallInfo(name, treedef, spec, local)
+                names = code.co_varnames[1 if skip_self else 0 : code.co_argcount]
+                info = CallInfo(name, treedef, spec, local, names)
                 site_p.bind(*dyn, kind="enter", info=info)
             except Exception as e:
                 self.failed = self.failed or e
@@ -357,12 +369,12 @@ class Region:
 
 
 def _scopes(eqn: Any) -> tuple[str, ...]:
-    """The named scopes the user opened, of an equation's name stack."""
-    return tuple(
-        s.name
-        for s in eqn.source_info.name_stack.stack
-        if type(s).__name__ == "Scope" and s.name in _USER_SCOPES
-    )
+    """The named scopes the user opened, of an equation's name stack (none for an equation of a
+    backward pass, ``transpose(...)``: it computes no scope's forward value)."""
+    stack = eqn.source_info.name_stack.stack
+    if any(type(s).__name__ == "Transform" and s.name == "transpose" for s in stack):
+        return ()
+    return tuple(s.name for s in stack if type(s).__name__ == "Scope" and s.name in _USER_SCOPES)
 
 
 _REGIONS: dict[int, tuple[Any, list[Region]]] = {}
@@ -529,6 +541,18 @@ class Site:
         return f"Site({key!r}, {self.kind} {self.name!r})"
 
 
+_SITE_TYPES: dict[str, type[Site]] = {}
+
+
+def _site_type(name: str) -> type[Site]:
+    """A :class:`Site` subclass named ``name`` (the function's name, or ``named_scope``): what
+    tables and messages show as a call site's type, as a module's class name is shown."""
+    cls = _SITE_TYPES.get(name)
+    if cls is None:
+        cls = _SITE_TYPES[name] = type(name, (Site,), {"__module__": __name__})
+    return cls
+
+
 @dataclasses.dataclass
 class Program:
     """A traced program without modules: its jaxpr, how its arguments map to it, its sites."""
@@ -570,7 +594,12 @@ def discover(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program | Non
         raise rec.failed
     jaxpr, _ = closed_parts(closed)
     prog = Program(
-        closed, treedef, spec, jax.tree.structure(out_shape), {}, Site((), "function", _fn_name(fn))
+        closed,
+        treedef,
+        spec,
+        jax.tree.structure(out_shape),
+        {},
+        _site_type(_fn_name(fn))((), "function", _fn_name(fn)),
     )
     _assign_paths(prog, jaxpr, (), ())
     return prog
@@ -655,7 +684,10 @@ def _assign_paths(prog: Program, node: Any, loc: tuple[Any, ...], parent: tuple[
             path: tuple[Any, ...] = (*parent, r.name, i)
         else:
             path = (*parent, r.name)
-        prog.paths[rloc] = Site(path, "function" if r.kind == "call" else "scope", r.name)
+        kind = "function" if r.kind == "call" else "scope"
+        prog.paths[rloc] = _site_type(r.name if kind == "function" else "named_scope")(
+            path, kind, r.name
+        )
         _assign_paths(prog, _Inside(jaxpr, r), rloc, path)
 
 
@@ -887,10 +919,7 @@ class Evaluator:
 
     def _cond(self, p: dict, invals: list[Any], run: Callable[..., Any]) -> list[Any]:
         index, ops = invals[0], invals[1:]
-        fns = [
-            lambda *xs, br=br: run(br, list(xs))  # type: ignore[misc]
-            for br in p["branches"]
-        ]
+        fns = [lambda *xs, br=br: run(br, list(xs)) for br in p["branches"]]
         return list(lax.switch(index, fns, *ops))
 
 

@@ -1,8 +1,10 @@
 """Built-in example models for ``hookax summary --example NAME`` and ``hookax gradflow``.
 
 Each example module defines ``make_model(rngs)`` (a Flax NNX model) and ``example_inputs()``
-(a tuple of ``jax.ShapeDtypeStruct``, the default input). Importing this package imports no
-framework; :func:`load` imports one example.
+(a tuple of ``jax.ShapeDtypeStruct``, the default input). The examples in :data:`PROGRAMS` are
+programs without modules (functions over a weight pytree, plain JAX): they define
+``make_program()``, returning the function and its weights, in place of ``make_model``.
+Importing this package imports no framework; :func:`load` imports one example.
 """
 
 from __future__ import annotations
@@ -10,9 +12,10 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-__all__ = ["NAMES", "load"]
+__all__ = ["NAMES", "PROGRAMS", "load"]
 
-NAMES: tuple[str, ...] = ("cnn", "mlp", "resnet", "transformer")
+NAMES: tuple[str, ...] = ("cnn", "mlp", "resnet", "transformer", "llama_functions")
+PROGRAMS: tuple[str, ...] = ("llama_functions",)
 
 
 def load(name: str) -> ModuleType:

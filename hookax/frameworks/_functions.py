@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import functools
 import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -160,25 +161,58 @@ def _compiled(prog: _program.Program) -> Callable[..., Any]:
 
 
 def _mentions_module(fn: Any, args: tuple, kwargs: dict) -> bool:
-    """Whether a framework's module is plainly among ``fn`` (itself, its bound ``self``, a
-    partial's arguments, its closure) or the top levels of the arguments."""
-    from .._engine.adapters import adapter_for
+    """Whether a framework's module is among what ``fn`` reaches without running (itself, a
+    bound ``self``, a partial's arguments, closure cells, defaults, the globals its code names,
+    the attributes of plain objects among them, a few levels deep) or among the arguments.
 
-    def module(x: Any) -> bool:
-        a = adapter_for(x)
-        return a is not None and a is not ADAPTER
+    A function that calls a module it reaches this way runs as it is, with no trace to look
+    for call sites of its own; any other is traced once for them (and still runs as it is if
+    that trace meets a module)."""
+    seen: set[int] = set()
+    return _reaches(fn, 0, seen) or _reaches(args, 0, seen) or _reaches(kwargs, 0, seen)
 
-    def shallow(x: Any, depth: int = 0) -> bool:
-        if module(x):
-            return True
-        if depth < 2:
-            if isinstance(x, list | tuple):
-                return any(shallow(y, depth + 1) for y in x[:64])
-            if isinstance(x, dict):
-                return any(shallow(y, depth + 1) for y in list(x.values())[:64])
+
+_DEPTH = 4
+_WIDTH = 64
+_LEAVES = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType)
+
+
+def _reaches(obj: Any, depth: int, seen: set[int]) -> bool:
+    if depth > _DEPTH or isinstance(obj, _LEAVES) or id(obj) in seen:
         return False
+    if isinstance(obj, jax.Array | np.ndarray | core.Tracer | _program.Site):
+        return False
+    seen.add(id(obj))
+    from .._engine.adapters import adapter_for, is_haiku_model
 
-    return any(shallow(r) for r in reachable(fn)) or shallow(args) or shallow(kwargs)
+    # A Haiku transform (or its apply) calls Haiku's modules, which its adapter sees.
+    if adapter_for(obj) is not None or is_haiku_model(obj):
+        return True
+    items: list[Any]
+    if isinstance(obj, list | tuple):
+        items = list(obj[:_WIDTH])
+    elif isinstance(obj, dict):
+        items = list(obj.values())[:_WIDTH]
+    elif isinstance(obj, functools.partial):
+        items = [obj.func, *obj.args, *obj.keywords.values()]
+    elif isinstance(obj, types.MethodType):
+        items = [obj.__self__, obj.__func__]
+    elif isinstance(obj, types.FunctionType):
+        items = list(reachable(obj))[1:]
+        items += list(obj.__defaults__ or ()) + list((obj.__kwdefaults__ or {}).values())
+        g = obj.__globals__
+        items += [g[n] for n in obj.__code__.co_names if n in g][:_WIDTH]
+    elif isinstance(obj, _ProgramFn):
+        items = [obj.fn]
+    elif hasattr(obj, "__wrapped__"):
+        items = [obj.__wrapped__]
+    else:
+        try:
+            d = vars(obj)
+        except TypeError:
+            return False
+        items = list(d.values())[:_WIDTH]
+    return any(_reaches(x, depth + 1, seen) for x in items)
 
 
 def as_program(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -190,7 +224,21 @@ def as_program(fn: Callable[..., Any]) -> Callable[..., Any]:
     """
     if isinstance(fn, _ProgramFn) or not callable(fn) or _mentions_module(fn, (), {}):
         return fn
-    return _ProgramFn(fn)
+    # The same wrapper for the same function (the last few): caches keyed by the wrapper's id
+    # (a capture of a jitted function made anew per step) hit. A wrapper holds its function, so
+    # the table is bounded rather than weak.
+    with _LOCK:
+        hit = _WRAPPERS.get(id(fn))
+        if hit is not None and hit.fn is fn:
+            _WRAPPERS.move_to_end(id(fn))
+            return hit
+        hit = _WRAPPERS[id(fn)] = _ProgramFn(fn)
+        while len(_WRAPPERS) > _CACHE_SIZE:
+            _WRAPPERS.popitem(last=False)
+    return hit
+
+
+_WRAPPERS: collections.OrderedDict[int, _ProgramFn] = collections.OrderedDict()
 
 
 class _ProgramFn:
@@ -201,7 +249,7 @@ class _ProgramFn:
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
         self.key = FnKey(fn)
-        functools.update_wrapper(self, fn)  # type: ignore[arg-type]
+        functools.update_wrapper(self, fn)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, _ProgramFn) and other.key == self.key

@@ -16,7 +16,12 @@ import pytest
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "models.md"
 BLOCK = re.compile(r"<!-- models-example: (\w+) -->\n```text\n(.*?)^```", re.S | re.M)
-NEEDS = {"gemma": ("gemma",), "easydel": ("easydel",), "maxtext": ("maxtext",)}
+NEEDS = {
+    "gemma": ("gemma",),
+    "easydel": ("easydel",),
+    "maxtext": ("maxtext",),
+    "alphafold": ("alphafold",),
+}
 
 
 def examples() -> list:
