@@ -21,6 +21,7 @@ SHOWN_ONLY = {
     "from_transformer_lens.md",
     "getting-started.md",
     "models.md",  # its examples need the codebases: tests/models/test_models_page.py runs them
+    "programs.md",  # jax-llm-examples' code is not on the registry: shown, its own model runs
     "tour.md",
 }
 
