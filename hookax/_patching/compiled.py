@@ -30,6 +30,7 @@ import numpy as np
 
 from .._util import lift, nnxsplit
 from .._util.errors import HookaxError
+from .._util.fnkey import ById as _ById
 from .._util.fnkey import FnKey, note_fresh
 
 __all__ = [
@@ -64,19 +65,6 @@ def reusable(key: Any) -> bool:
     """Whether a :func:`static_key` may pick a compiled program again (not a function that
     closes over an NNX module)."""
     return not isinstance(key, _Once)
-
-
-class _ById:
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ById) and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
 
 
 def _holds_nnx_module(fn: Any) -> bool:

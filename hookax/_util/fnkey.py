@@ -16,7 +16,7 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["FnKey", "RecompileWarning", "note_fresh", "reachable"]
+__all__ = ["ById", "FnKey", "RecompileWarning", "note_fresh", "reachable"]
 
 _BY_VALUE = (int, float, complex, str, bytes, bool, type(None), type, types.CodeType, range)
 _MAX_DEPTH = 4
@@ -36,6 +36,8 @@ class _Id:
     def __hash__(self) -> int:
         return id(self.obj)
 
+
+ById = _Id  # an object as a cache key by identity, holding it so its id stays unique
 
 _EMPTY_CELL = object()
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from .._engine.context import _ACTIVE_VALUE as _ACTIVE
 from .._transforms import program as _program
+from .._util.fnkey import ById as _ById
 from .._util.fnkey import FnKey, reachable
 from .._util.jaxcompat import core
 
@@ -67,19 +68,6 @@ _CACHE: collections.OrderedDict[Any, Any] = collections.OrderedDict()
 _CACHE_SIZE = 64
 _LOCK = threading.Lock()
 _MODULES = object()  # the verdict for a function that calls a framework's modules
-
-
-class _ById:
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ById) and other.obj is self.obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
 
 
 def _leaf_key(x: Any) -> Any:
