@@ -25,6 +25,7 @@ import contextlib
 import importlib.abc
 import sys
 import threading
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -138,7 +139,9 @@ def is_haiku_model(obj: Any) -> bool:
         return False
     if isinstance(obj, hk.Module | hk.Transformed | hk.TransformedWithState):
         return True
-    return callable(obj) and hasattr(obj, "_original_fn")  # Haiku's init and apply functions
+    # Haiku's init and apply functions carry their transformed function; looked up in the
+    # function's own attributes (an object answering every attribute, like nnx.Rngs, is none).
+    return isinstance(obj, types.FunctionType) and "_original_fn" in vars(obj)
 
 
 def haiku_transform_given(who: str, obj: Any) -> Exception | None:
