@@ -56,6 +56,14 @@ SLOW = (
     # Every feature on a Llama written the jax-llm-examples way (about 100 s of CPU): make test
     # keeps tests/test_programs.py, the same features on a smaller program.
     "tests/models/test_model_jaxllm_like.py::",
+    # Haiku's own behaviours and every feature on it (about 35 s; the conformance suite keeps
+    # Haiku in make test), and the slower half of program summaries (FLOPs lowered per call
+    # site, scans, abstract inputs, a CLI factory; rows and parameters stay in make test).
+    "tests/test_haiku.py::",
+    "tests/test_summary_functions.py::test_flops_match_the_whole_program_and_each_function_alone",
+    "tests/test_summary_functions.py::test_scanned_layers_are_one_row_with_the_layer_count",
+    "tests/test_summary_functions.py::test_abstract_weights_and_spec_inputs_give_the_same_summary",
+    "tests/test_summary_functions.py::test_cli_summary_of_a_factory_returning_a_program",
     # By --durations of the whole suite (2 workers), every test over ~1.5 s; a faster variant
     # of each (another framework or mode) stays in make test.
     "docs/pruning.md::pruning.md",
