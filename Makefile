@@ -102,7 +102,7 @@ lock: $(VENV)/.installed-dev
 
 # tests/models/: every feature on the codebases users run (gemma, EasyDeL, MaxText, AlphaFold; a
 # Levanter-like model), each installed from the registry at its lock's versions, on Python 3.11
-# (EasyDeL, AlphaFold) and 3.12 (gemma 4, MaxText, AlphaFold). Heavy installs: not part of
+# (EasyDeL, AlphaFold) and 3.12 (gemma 4, MaxText). Heavy installs: not part of
 # `make test`; CI runs it last.
 test-models: $(VENV)/.installed-dev
 	$(BIN)/nox -s models
