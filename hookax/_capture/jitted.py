@@ -148,6 +148,8 @@ _CACHE: dict[int, tuple[Any, dict[Any, Callable[..., Any]]]] = {}
 
 
 def _drop(i: int, ref: Any) -> None:
+    if not isinstance(_CACHE, dict):  # the interpreter is shutting down: module globals are gone
+        return
     entry = _CACHE.get(i)
     if entry is not None and entry[0] is ref:
         del _CACHE[i]
