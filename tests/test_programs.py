@@ -131,13 +131,13 @@ def test_capture_is_the_hand_unrolled_program(jit: bool) -> None:
             assert len(acts[k]) == 1
 
 
-def test_a_scanned_function_is_one_call_site_with_layers() -> None:
+@pytest.mark.parametrize("jit", JIT)
+def test_a_scanned_function_is_one_call_site_with_layers(jit: bool) -> None:
     """A function a ``lax.scan`` body calls (through a local function that only calls it) is
     one call site, its layers stacked and one of them by ``[i]``."""
     _, vals = hand(X)
-    y, acts = hx.capture(forward_scan, where=["block", "block[1]", "block/attn/attention"])(
-        STACKED, X
-    )
+    where = ["block", "block[1]", "block/attn/attention"]
+    y, acts = _maybe_jit(hx.capture(forward_scan, where=where), jit)(STACKED, X)
     close(y, hand(X)[0])
     close(acts["block"][0], jnp.stack([vals[f"block/{i}"] for i in range(L)]))
     close(acts["block[1]"][0], vals["block/1"])
@@ -223,7 +223,7 @@ def test_a_hook_that_changes_the_structure_is_an_error() -> None:
     def bad(next_fun: Any, args: tuple, kwargs: dict, ctx: hx.Context) -> Any:
         return (next_fun(*args, **kwargs), 1.0)
 
-    with pytest.raises(ValueError, match="block/1"), hx.intercept(bad, where="block/1"):
+    with pytest.raises(hx.HookError, match="block/1"), hx.intercept(bad, where="block/1"):
         hx.program(forward)(W, X)
     close(hx.program(forward)(W, X), hand(X)[0])  # nothing left behind
 

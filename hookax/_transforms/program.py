@@ -128,13 +128,20 @@ class _Static:
         self.value = value
 
 
-def _split(tree: Any) -> tuple[Any, list[Any], list[Any]]:
-    """``(treedef, leaves as int positions or _Static, the traced leaves)``."""
+_ARRAYS = (jax.Array, core.Tracer, np.ndarray, np.generic)
+
+
+def _split(
+    tree: Any, traced: tuple[type, ...] = (core.Tracer,)
+) -> tuple[Any, list[Any], list[Any]]:
+    """``(treedef, leaves as int positions or _Static, the traced leaves)``: leaves of the
+    ``traced`` types are traced, others static (Python numbers, strings, configuration objects,
+    as ``eqx.filter_jit`` has them)."""
     leaves, treedef = jax.tree.flatten(tree)
     dyn: list[Any] = []
     spec: list[Any] = []
     for leaf in leaves:
-        if isinstance(leaf, core.Tracer):
+        if isinstance(leaf, traced):
             spec.append(len(dyn))
             dyn.append(leaf)
         else:
@@ -574,7 +581,7 @@ def discover(fn: Callable[..., Any], args: tuple, kwargs: dict) -> Program | Non
     module (the adapters see its call sites) or when it has none."""
     from .._engine import context as _context
 
-    treedef, spec, dyn = _split_any((args, kwargs))
+    treedef, spec, dyn = _split((args, kwargs), _ARRAYS)
 
     def flat(*leaves: Any) -> Any:
         a, k = _join(treedef, spec, list(leaves))
@@ -645,22 +652,6 @@ def _root_code(fn: Any) -> types.CodeType | None:
 
 def _fn_name(fn: Any) -> str:
     return getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def _split_any(tree: Any) -> tuple[Any, list[Any], list[Any]]:
-    """Like :func:`_split`, with every array (not only tracers) a traced input; other leaves
-    (Python numbers, strings, configuration objects) are static, as ``eqx.filter_jit`` has
-    them."""
-    leaves, treedef = jax.tree.flatten(tree)
-    spec: list[Any] = []
-    dyn: list[Any] = []
-    for leaf in leaves:
-        if isinstance(leaf, jax.Array | core.Tracer | np.ndarray | np.generic):
-            spec.append(len(dyn))
-            dyn.append(leaf)
-        else:
-            spec.append(_Static(leaf))
-    return treedef, spec, dyn
 
 
 def _assign_paths(prog: Program, node: Any, loc: tuple[Any, ...], parent: tuple[Any, ...]) -> None:
@@ -941,16 +932,15 @@ def _pick(spec: list[Any], tree: Any) -> list[Any]:
 
 
 def _leaves_like(treedef: Any, spec: list[Any], out: Any, site: Site) -> list[Any]:
-    flat, got = jax.tree.flatten(out)
+    """The traced leaves of what a call site returned, which must have the structure the rest
+    of the program reads."""
+    got = jax.tree.structure(out)
     if got != treedef:
-        raise ValueError(
+        from .._util.errors import HookError
+
+        raise HookError(
             f"hookax: the call site {'/'.join(map(str, site.path))!r} returned a value of "
-            f"structure {got}, but the program reads one of structure {treedef} (a hook must "
-            "return a value of the structure it received)"
+            f"structure {got}, but the program reads one of structure {treedef}. Fix: return "
+            "a value of the structure the hook or interceptor received."
         )
-    n = sum(isinstance(s, int) for s in spec)
-    dyn: list[Any] = [None] * n
-    for s, x in zip(spec, flat, strict=True):
-        if isinstance(s, int):
-            dyn[s] = x
-    return dyn
+    return _pick(spec, out)
