@@ -146,6 +146,20 @@ def oldest_slow(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-q", *WORKERS, *warnings, *args, env=ENV)
 
 
+# The slow tests that check the machine and the interpreter rather than JAX (pages pasted into
+# a fresh interpreter, whose doctests run on every lock anyway; child processes, signals,
+# pickling across processes, memory soaks) run once, on Python 3.11 (``slow``); Python 3.12's
+# run of the slow set leaves them out.
+SLOW_ONCE = [
+    "-k",
+    "not test_page_runs_pasted_into_a_fresh_interpreter",
+    "--ignore=tests/test_cli_interrupt.py",
+    "--ignore=tests/test_harvest_procs.py",
+    "--ignore=tests/test_reliability_memory.py",
+    "--ignore=tests/test_pickle.py",
+]
+
+
 def _locked(session: nox.Session) -> None:
     """Install the lock of the session's Python and hookax (editable, no dependencies)."""
     session.install("-r", LOCKS[str(session.python)])
@@ -155,13 +169,13 @@ def _locked(session: nox.Session) -> None:
 @nox.session(python="3.12")
 def py312(session: nox.Session) -> None:
     """Python 3.12 with its lock (the newest JAX, Flax and Equinox): the whole suite, the tests
-    marked ``slow``, and the docs site, strict."""
+    marked ``slow`` (but ``SLOW_ONCE``'s), and the docs site, strict."""
     _locked(session)
     if session.posargs:
         session.run("python", "-m", "pytest", "-q", *WORKERS, *session.posargs, env=ENV)
         return
     session.run("python", "-m", "pytest", "-q", *WORKERS, "-m", "not slow", env=ENV)
-    session.run("python", "-m", "pytest", "-q", *WORKERS, "-m", "slow", env=ENV)
+    session.run("python", "-m", "pytest", "-q", *WORKERS, "-m", "slow", *SLOW_ONCE, env=ENV)
     site = tempfile.mkdtemp(prefix="hookax-site-")
     try:
         session.run("mkdocs", "build", "--strict", "-q", "--site-dir", site, env=ENV)

@@ -237,3 +237,31 @@ def test_a_named_array_inside_a_tuple_is_named_by_its_position(tmp_path):
     np.testing.assert_allclose(y.array, jnp.tanh(h).at[:, 2].set(0.5), rtol=1e-6)
     with pytest.raises(hx.PatchError, match=r"'block\.0'"), hx.patching({"block.0.array": value}):
         net(CLEAN)
+
+
+@pytest.mark.parametrize("jitted", [False, True])
+@pytest.mark.parametrize("axis_name", [None, "examples"])
+def test_names_fit_the_array_of_a_value_captured_under_vmap(jitted, axis_name):
+    """A NamedArray made inside ``jax.vmap`` comes out with the batch axis in front, and its
+    names gain it (the vmap's ``axis_name``, else ``"batch"``): ``Named`` refuses names that do
+    not fit its array, as Haliax's own operations do."""
+    net = Net()
+    xs = jnp.linspace(-1.0, 1.0, 3 * T * D).reshape(3, T, D)
+
+    def forward(net, xs):
+        per = lambda a: net(Named(a, ("position", "embed"))).array  # noqa: E731
+        return jax.vmap(per, axis_name=axis_name)(xs)
+
+    _, acts = _run(jitted, hx.capture(forward, where="a"), net, xs)
+    _, _, grads = _run(
+        jitted, hx.value_and_grad(lambda n, x: forward(n, x).sum(), where="a"), net, xs
+    )
+    want = (axis_name or "batch", "position", "embed")
+    for value in (acts["a"][0], grads["a"][0]):
+        assert value.axes == want and value.array.shape == (3, T, D)
+    np.testing.assert_allclose(acts["a"][0].array, xs @ net.a.w + net.a.b, rtol=1e-6)
+    # d sum(b(tanh(h))) / dh = (1 - tanh(h)^2) * (row sums of b.w)
+    h = xs @ net.a.w + net.a.b
+    np.testing.assert_allclose(
+        grads["a"][0].array, (1 - jnp.tanh(h) ** 2) * net.b.w.sum(1), rtol=1e-5
+    )

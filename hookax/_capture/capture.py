@@ -27,15 +27,16 @@ from .._engine.select import (
     Where,
     as_selector,
     check_matched,
+    input_entries,
     resolve_instances,
 )
 from .._hooks import intercept as _intercept
 from .._hooks import layergate as _layergate
 from .._transforms import tagrules as _tagrules
 from .._transforms import tags as _tags
-from .._util.errors import HookaxError
+from .._util.errors import HookaxError, SelectorError
 from .._util.fnkey import FnKey, reachable
-from .._util.parts import with_axes
+from .._util.parts import leaf_at, parts, replace_at, split_part, with_axes
 from ..frameworks._functions import as_program
 from . import jitted as _jitted
 from . import ops as _ops
@@ -56,6 +57,9 @@ class _Marker:
     # Also mark calls' inputs (what forward pre-hooks see) as "key:in": True for the selected
     # call sites, or a Selector of the call sites whose inputs (only) are recorded too.
     inputs: Any = False
+    # where= entries naming parts of outputs or inputs ("layers/*.1", "blocks/0.0:in"): a
+    # _Parts, or None when none does (every selected value marked whole).
+    parts: Any = None
     # The dispatcher runs recorders outside every interceptor: a capture records what the
     # caller received, whether the intercept block is inside or around the captured function.
     records_output = True
@@ -72,25 +76,63 @@ class _Marker:
         if live is not None:
             live.matched = True
             _check_collision(live, ctx)
-        keys = self._keys(self.selector, ctx, live) if out_hit else []
-        for key in self._keys(ins, ctx, live) if in_hit else []:
-            in_key = f"{key}:in"
-            if live is not None:
-                live.starts.setdefault(in_key)
-                if key in live.layered:
-                    site, layers, _ = live.layered[key]
-                    live.layered[in_key] = (site, layers, ":in")
-            if len(args) == 1:
-                args = (_tags.mark(args[0], self.sid, in_key),)
-            else:
-                args = _tags.mark(tuple(args), self.sid, in_key)
-        if live is not None:
-            for key in keys:
-                live.starts.setdefault(key)
+        split = self.parts
+        if in_hit:  # the input's keys start first
+            whole = ins if split is None else split.inputs
+            in_keys = self._named(whole, split and split.input_parts, ctx, live, ":in")
+            value = args[0] if len(args) == 1 else tuple(args)
+            value = self._tag_all(value, in_keys, ctx)
+            args = (value,) if len(args) == 1 else value
+        keys = []
+        if out_hit:
+            whole = self.selector if split is None else split.outputs
+            keys = self._named(whole, split and split.output_parts, ctx, live, "")
         out = next_fun(*args, **kwargs)
-        for key in keys:
-            out = self.tag(out, key)
+        return self._tag_all(out, keys, ctx)
+
+    def _named(
+        self, whole: Any, part_sels: Any, ctx: Any, live: Any, tail: str
+    ) -> list[tuple[str, str]]:
+        """``(key, part)`` of each value this call records: the call site's key (or one layer
+        of it per suffix) with ``tail`` (``":in"`` for its input), whole (part ``""``) where
+        ``whole`` selects it, and each part a part entry's selector selects it for."""
+        picked = []
+        if whole is not None and whole.matches(ctx):
+            picked += [(k, "") for k in self._keys(whole, ctx, live)]
+        for sel, part in part_sels or ():
+            if sel.matches(ctx):
+                picked += [(k, part) for k in self._keys(sel, ctx, live)]
+        out = []
+        for key, part in picked:
+            name = f"{key}{part}{tail}"
+            if live is not None:
+                live.starts.setdefault(name)
+                if key in live.layered and (part or tail):
+                    site, layers, _ = live.layered[key]
+                    live.layered[name] = (site, layers, part + tail)
+            out.append((name, part))
         return out
+
+    def _tag_all(self, value: Any, keys: list[tuple[str, str]], ctx: Any) -> Any:
+        """``value`` with each ``(key, part)`` marked: a part's leaf, or the whole value (what
+        is marked is what a subclass's :meth:`tag` makes of it: the statistics taps' dummy)."""
+        for key, part in keys:
+            if not part:
+                value = self.tag(value, key)
+                continue
+            try:
+                leaf = leaf_at(value, part)
+            except KeyError:
+                found = ", ".join(repr(p) for p, _ in parts(value)) or "none"
+                raise SelectorError(
+                    f"where= names part {part!r} of {key.removesuffix(':in')[: -len(part)]!r} "
+                    f"({type(ctx.module).__name__}.{ctx.method}), whose "
+                    f"{'input' if key.endswith(':in') else 'output'} has the parts {found}. "
+                    f"Fix: name one of them (a tuple's position '.0', a field '.name', a dict "
+                    f"key '.key')."
+                ) from None
+            value = replace_at(value, part, self.tag(leaf, key))
+        return value
 
     def _keys(self, selector: Any, ctx: Any, live: Any) -> list[str]:
         """The keys ``selector`` records the call at: its key, or one layer of it per suffix."""
@@ -158,7 +200,9 @@ class _Session:
         inputs: Any = False,
         marker: Callable[..., _Marker] = _Marker,
         checked: Any = None,
+        parts: Any = None,
     ) -> None:
+        self.parts = parts
         self.session = session
         self.selector = selector
         self.where = where
@@ -171,7 +215,9 @@ class _Session:
         s = self.session
         s.seen = set()
         s.matched = False
-        if self.inputs:
+        if self.parts is not None:
+            marker = self.marker(s.sid, self.selector, self.inputs, parts=self.parts)
+        elif self.inputs:
             marker = self.marker(s.sid, self.selector, self.inputs)
         else:
             marker = self.marker(s.sid, self.selector)
@@ -267,30 +313,73 @@ def session(
     ``marker`` makes the interceptor from ``(sid, selector)``: a value-comparable
     :class:`_Marker`."""
     outputs, named_inputs = split_inputs(where)
+
+    def select(entries: Any) -> Any:
+        return as_selector(resolve_instances(entries, (fn, args, kwargs)), CALL_ONLY)
+
+    out_whole, out_parts = _part_entries(outputs, select)
+    in_whole, in_parts = _part_entries(named_inputs, select)
     if outputs is _NO_SITES:
         selector: Any = _NONE_SELECTED
     else:
-        selector = as_selector(resolve_instances(outputs, (fn, args, kwargs)), CALL_ONLY)
+        selector = _union(out_whole, *(sel for sel, _ in out_parts))
     checked = selector
     ins: Any = inputs
     if named_inputs is not None:
-        ins = as_selector(resolve_instances(named_inputs, (fn, args, kwargs)), CALL_ONLY)
+        ins = _union(in_whole, *(sel for sel, _ in in_parts))
         checked = ins if outputs is _NO_SITES else selector | ins
         if inputs:
             ins = selector | ins
+    split = None
+    if out_parts or in_parts:
+        whole_ins = in_whole if not inputs else _union(in_whole, selector)
+        split = _Parts(out_whole, tuple(out_parts), whole_ins, tuple(in_parts))
     inner = _tags.Session(next_sid(), who, mode, probes, while_steps)
-    return _Session(inner, selector, where, ops, ins, marker, checked)
+    return _Session(inner, selector, where, ops, ins, marker, checked, split)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Parts:
+    """A ``where=`` whose entries name parts of values (``"layers/*.1"``, ``"blocks/0.0:in"``):
+    the selectors of the call sites whose outputs (inputs) are recorded whole, None for none,
+    and ``(selector, part)`` per entry naming a part. Compared by value (the cache key)."""
+
+    outputs: Any
+    output_parts: tuple[tuple[Any, str], ...]
+    inputs: Any
+    input_parts: tuple[tuple[Any, str], ...]
+
+
+def _part_entries(where: Any, select: Callable[[Any], Any]) -> tuple[Any, list[tuple[Any, str]]]:
+    """``where=``'s entries as ``(selector of those naming whole values or None, [(selector,
+    part)] of those naming a part)``; a part is a string entry's suffix (``split_part``)."""
+    if where is None or where is _NO_SITES:
+        return (select(where) if where is None else None), []
+    entries = list(where) if isinstance(where, list | tuple) else [where]
+    found = [(e, split_part(e)) if isinstance(e, str) else (e, (e, "")) for e in entries]
+    if not any(part for _, (_, part) in found):
+        return select(where), []
+    whole = [e for e, (_, part) in found if not part]
+    parted = [(select(base), part) for _, (base, part) in found if part]
+    return (select(whole if len(whole) > 1 else whole[0]) if whole else None), parted
+
+
+def _union(first: Any, *rest: Any) -> Any:
+    """The union of selectors (None entries left out; None when every one is)."""
+    out = first
+    for sel in rest:
+        out = sel if out is None else out | sel
+    return out
 
 
 def split_inputs(where: Any) -> tuple[Any, Any]:
     """``where=`` as ``(call sites whose outputs are selected, those whose inputs are)``: a
     ``"key:in"`` entry names a call site's input; the first part is :data:`_NO_SITES` when
     every entry is one, the second None when none is."""
-    entries = list(where) if isinstance(where, list | tuple) else [where]
-    ins = [w[: -len(":in")] for w in entries if isinstance(w, str) and w.endswith(":in")]
-    if not ins:
+    found = input_entries(where)
+    if found is None:
         return where, None
-    outs = [w for w in entries if not (isinstance(w, str) and w.endswith(":in"))]
+    outs, ins = found
     return (outs if outs else _NO_SITES), ins
 
 
@@ -320,8 +409,21 @@ def where_and_ops(where: Any, ops: Any, who: str) -> tuple[Any, tuple[Any, ...]]
     if where is _DEFAULT:
         where = _NO_SITES if patterns else None
     if where is not _NO_SITES:
-        as_selector(where, CALL_ONLY)
+        as_selector(_bases(where), CALL_ONLY)
     return where, patterns
+
+
+def _bases(where: Any) -> Any:
+    """``where=`` with each string entry's input suffix and part left out (what selects)."""
+
+    def base(entry: Any) -> Any:
+        if not isinstance(entry, str):
+            return entry
+        return split_part(entry.removesuffix(":in"))[0]
+
+    if isinstance(where, list | tuple):
+        return type(where)(base(e) for e in where)
+    return base(where)
 
 
 class _Default:

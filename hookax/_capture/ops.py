@@ -87,6 +87,11 @@ def parse_ops(ops: Any, who: str) -> tuple[OpPattern, ...]:
                 f"{who}: ops= entries are strings like 'layers/0/attn:softmax', got {text!r}."
             )
         site, sep, op = text.rpartition(":")
+        if sep and op == "in":
+            raise SelectorError(
+                f"{who}: ops={text!r} names the input of call site {site!r}, a call site's "
+                f"value, not an operation. Fix: pass it as where=: {who}(..., where={text!r})."
+            )
         m = _OP.fullmatch(op)
         if not sep or m is None:
             raise SelectorError(

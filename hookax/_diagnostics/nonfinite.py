@@ -62,17 +62,22 @@ class Nonfinite:
         if self.key is None:
             return "(loss)"
         idx = self.layer if isinstance(self.layer, tuple) else (self.layer,)
-        return self.key + "".join(f"[{i}]" for i in idx if i is not None)
+        return _label(self.key, tuple(i for i in idx if i is not None))
 
     def __str__(self) -> str:
-        site = repr(self.label)
+        what = "output"
+        site = self.label
+        if self.key is not None and self.key.endswith(":in"):  # a call site's input
+            what, site = "input", site.removesuffix(":in")
+        site = repr(site)
         after = (
             f" ({self.before!r} just before it was finite: it arose between the two)"
             if self.before is not None
             else ""
         )
+        values = f"{self.count} non-finite value{'' if self.count == 1 else 's'}"
         if self.phase == "forward":
-            return f"forward: the output of {site} holds {self.count} non-finite values{after}"
+            return f"forward: the {what} of {site} holds {values}{after}"
         if self.phase == "loss":
             return (
                 "forward: every selected call site's output is finite, the loss is not: it "
@@ -80,8 +85,8 @@ class Nonfinite:
             )
         if self.phase == "backward":
             return (
-                f"backward (the forward pass is finite): d loss / d (output of {site}) holds "
-                f"{self.count} non-finite values{after}"
+                f"backward (the forward pass is finite): d loss / d ({what} of {site}) holds "
+                f"{values}{after}"
             )
         return (
             f"backward: every selected call site's gradient is finite, the gradient of "
@@ -124,7 +129,13 @@ class _Site:
 
     @property
     def label(self) -> str:
-        return self.key + "".join(f"[{i}]" for i in self.layer or ())
+        return _label(self.key, self.layer or ())
+
+
+def _label(key: str, layer: tuple[int, ...]) -> str:
+    """``key`` with its layers: ``"blocks/lin[2]"``; an input's after them (``"blocks[2]:in"``)."""
+    base, is_input = (key[:-3], ":in") if key.endswith(":in") else (key, "")
+    return base + "".join(f"[{i}]" for i in layer) + is_input
 
 
 def _groups(records: list[Any]) -> Iterator[list[int]]:
@@ -243,6 +254,12 @@ def find_nonfinite(
         raise HookaxError(
             f"{WHO} expects the step's loss function and its arguments, got {loss_fn!r} of type "
             f"{type(loss_fn).__name__}. Fix: hx.find_nonfinite(loss_fn, model, x, y)."
+        )
+    if not args:
+        raise HookaxError(
+            f"{WHO}({getattr(loss_fn, '__name__', 'loss_fn')}) was given no arguments for the "
+            "loss function: it runs the step itself, once. Fix: pass them after it, "
+            "hx.find_nonfinite(loss_fn, model, x, y)."
         )
     where, _ = _capture.where_and_ops(where, None, WHO)
     nums = argnums if isinstance(argnums, tuple) else (argnums,)

@@ -152,13 +152,17 @@ class StatsMarker(_capture._Marker):
 
     def tag(self, out: Any, key: str) -> Any:
         leaves, treedef = jax.tree_util.tree_flatten(out)
-        where = [i for i, x in enumerate(leaves) if _is_float_array(x)]
+        first: dict[int, int] = {}  # an array that is there twice (tied weights) counts once
+        for i, x in enumerate(leaves):
+            if _is_float_array(x):
+                first.setdefault(id(x), i)
+        where = sorted(first.values())
         if not where:
             return out  # no floating output: nothing to measure, no record
         xs = tuple(leaves[i] for i in where)
         dummy = _tags.mark(_dummy(xs[0], 2 * len(self.names)), self.sid, key)
-        for i, y in zip(where, _tap(self.names, xs, dummy)):
-            leaves[i] = y
+        tapped = dict(zip(where, _tap(self.names, xs, dummy)))
+        leaves = [tapped[first[id(x)]] if id(x) in first else x for x in leaves]
         return jax.tree_util.tree_unflatten(treedef, leaves)
 
 

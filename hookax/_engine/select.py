@@ -505,6 +505,21 @@ def _items(where: tuple[Any, ...] | list[Any], coerce: Callable[[Any], Selector]
     return [coerce(w) for w in where]
 
 
+def input_entries(where: Any) -> tuple[list[Any], list[str]] | None:
+    """``where=``'s entries as ``(those naming call sites, the call sites whose inputs the
+    "key:in" ones name)``; None when no entry names an input.
+
+    Examples:
+      >>> input_entries(["blocks/0", "blocks/1:in"]), input_entries("blocks/*")
+      ((['blocks/0'], ['blocks/1']), None)
+    """
+    entries = list(where) if isinstance(where, list | tuple) else [where]
+    ins = [w[: -len(":in")] for w in entries if isinstance(w, str) and w.endswith(":in")]
+    if not ins:
+        return None
+    return [w for w in entries if not (isinstance(w, str) and w.endswith(":in"))], ins
+
+
 def as_selector(where: Any, default_methods: tuple[str, ...] | str) -> Selector:
     """Turn any ``where=`` form into a selector; the default methods apply unless it names some.
 

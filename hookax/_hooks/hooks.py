@@ -18,13 +18,13 @@ import dataclasses
 import itertools
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from .._engine import adapters as _frameworks
 from .._engine import context as _context
-from .._engine.select import CALL_ONLY, Where, as_selector
-from .._util.errors import HookaxError, SelectorError
+from .._engine.select import CALL_ONLY, Where, as_selector, input_entries
+from .._util.errors import HookaxError, HookError, SelectorError
 from .._util.fnkey import FnKey, note_fresh
 from .hookcheck import check_arity
 from .intercept import Entry, tracked
@@ -292,6 +292,57 @@ def _site(module: Any, targets: list[Any], adapter: Any) -> str:
     return f"{_context.path_str(path)!r} ({type(m).__name__}.{methods[0]}){more}"
 
 
+def _input_hook(fn: Callable[..., Any], with_kwargs: bool) -> Callable[..., Any]:
+    """A forward hook at call sites' inputs (``where="blocks/1:in"``), run as a pre-hook: it
+    gets the input (the one positional argument, or the tuple of them) as its ``output`` and
+    may return a new one, of the same structure. A closure over ``fn``: equal hooks give equal
+    records (and jit cache keys)."""
+
+    def input_hook(module: Any, args: tuple, kwargs: Any = None) -> Any:
+        value = args[0] if len(args) == 1 else args
+        res = fn(module, args, kwargs, value) if with_kwargs else fn(module, args, value)
+        if res is None:
+            return None
+        new = (res,) if len(args) == 1 else res
+        if not isinstance(new, tuple) or len(new) != len(args):
+            raise HookError(
+                f"forward hook {getattr(fn, '__qualname__', fn)} at the input of "
+                f"{type(module).__name__} (a 'key:in' where=) returned {type(res).__name__}, "
+                f"not the {len(args)} positional arguments it was given. Fix: return a tuple "
+                "of as many arrays, or None to keep them."
+            )
+        return (new, kwargs) if with_kwargs else new
+
+    input_hook.__qualname__ = getattr(fn, "__qualname__", "input_hook")
+    return input_hook
+
+
+def _at_inputs(record: HookRecord, where: Any, api: str) -> list[tuple[HookRecord, Any]]:
+    """``(record, where)`` pairs: ``record`` at the call sites ``where`` names, and, for its
+    ``"key:in"`` entries, the record that runs at those call sites' inputs (a pre-hook: a
+    forward hook there sees the input as its output, a pre-hook is one already)."""
+    found = input_entries(where)
+    if found is None:
+        return [(record, where)]
+    outs, ins = found
+    if record.kind.startswith("backward"):
+        raise SelectorError(
+            f"hx.{api}(where={where!r}): a backward hook takes a call site, not its input: "
+            f"the hook's grad_input is the gradient with respect to the input. Fix: "
+            f"where={ins[0]!r}, and read grad_input."
+        )
+    at_input = record
+    if record.kind == "forward":
+        check_arity(record.fn, "forward", record.with_kwargs, api, f"the inputs of {ins!r}")
+        at_input = dataclasses.replace(
+            record, kind="forward_pre", fn=_input_hook(record.fn, record.with_kwargs)
+        )
+    pairs = [(at_input, ins if len(ins) > 1 else ins[0])]
+    if outs:
+        pairs.insert(0, (record, outs if len(outs) > 1 else outs[0]))
+    return pairs
+
+
 def _register(module: Any, record: HookRecord, where: Any, api: str) -> HookHandle:
     adapter = _adapter(module, api)
     if not callable(record.fn):
@@ -300,23 +351,27 @@ def _register(module: Any, record: HookRecord, where: Any, api: str) -> HookHand
             f"{type(record.fn).__name__} to run at {type(module).__name__}.__call__. Fix: pass "
             "a function, e.g. `def hook(module, args, output): ...`."
         )
+    pairs = _at_inputs(record, where, api)
     with _LOCK:  # finding the targets walks the modules' attributes, which _store changes
-        targets = _targets(module, where, api, adapter)
-        check_arity(
-            record.fn, record.kind, record.with_kwargs, api, _site(module, targets, adapter)
-        )
+        plan = []  # every target checked before any is stored: an error leaves no hook behind
+        for rec, at in pairs:
+            targets = _targets(module, at, api, adapter)
+            check_arity(rec.fn, rec.kind, rec.with_kwargs, api, _site(module, targets, adapter))
+            for m, methods, layers in targets:
+                if layers is not None and rec.kind.startswith("backward"):
+                    raise SelectorError(
+                        f"hx.{api}(where={where!r}): backward hooks of one layer of a scanned "
+                        f"stack are not supported. Fix: read the gradient of that layer with "
+                        f"hx.value_and_grad(loss_fn, where={where!r}), or hook every layer."
+                    )
+                plan.append((m, rec, methods, layers))
         token = next(_TOKENS)
-        for m, methods, layers in targets:
-            if layers is not None and record.kind.startswith("backward"):
-                raise SelectorError(
-                    f"hx.{api}(where={where!r}): backward hooks of one layer of a scanned "
-                    f"stack are not supported. Fix: read the gradient of that layer with "
-                    f"hx.value_and_grad(loss_fn, where={where!r}), or hook every layer."
-                )
-            rec = dataclasses.replace(record, methods=methods, layers=layers, token=token)
+        for m, rec, methods, layers in plan:
+            rec = dataclasses.replace(rec, methods=methods, layers=layers, token=token)
             _store(m, (hook_set(m) or HookSet(())).add(rec))
         _context.publish()
-    return HookHandle(token, [m for m, _, _ in targets])
+    modules = list({id(m): m for m, _, _, _ in plan}.values())
+    return HookHandle(token, modules)
 
 
 def register_forward_pre_hook(
@@ -513,5 +568,31 @@ def hooks(
         always = always_call and kind == "forward"
         records.append(HookRecord(kind, fn, with_kwargs=kw, always_call=always))
         note_fresh(records[-1].key, "hx.hooks")
-    entry = Entry("hooks", tuple(records), as_selector(where, CALL_ONLY))
-    return tracked(entry, "hx.hooks", where)
+    if input_entries(where) is None:
+        entry = Entry("hooks", tuple(records), as_selector(where, CALL_ONLY))
+        return tracked(entry, "hx.hooks", where)
+    # "key:in" entries: the records that run at those call sites' inputs, in a block of their own
+    groups: dict[str, tuple[Any, Any, list[HookRecord]]] = {}
+    for record in records:
+        for rec, at in _at_inputs(record, where, "hooks"):
+            shown = at if rec is record else _as_inputs(at)
+            groups.setdefault(repr(at), (at, shown, []))[2].append(rec)
+    entries = [
+        (Entry("hooks", tuple(recs), as_selector(at, CALL_ONLY)), shown)
+        for at, shown, recs in groups.values()
+    ]
+    return _blocks(entries)
+
+
+def _as_inputs(at: Any) -> Any:
+    """``where=`` of call sites as the ``"key:in"`` form the user wrote (for messages)."""
+    return [f"{k}:in" for k in at] if isinstance(at, list) else f"{at}:in"
+
+
+@contextlib.contextmanager
+def _blocks(entries: list[tuple[Entry, Any]]) -> Iterator[None]:
+    """The blocks of several entries (``hx.hooks`` with inputs and outputs), entered in order."""
+    with contextlib.ExitStack() as stack:
+        for entry, where in entries:
+            stack.enter_context(tracked(entry, "hx.hooks", where))
+        yield

@@ -51,6 +51,10 @@ class Spec:
     treedef: Any
     static: tuple[tuple[int, Any], ...]  # (position, value) of leaves that are not arrays
     op: bool = False  # an operation inside a call site (ops=), not a call site's output
+    # (position, earlier position) of an array leaf that is the same array object as an
+    # earlier one (tied weights in a returned module pair): rebuilt as that one, so the
+    # caller's ``a is b`` still holds and the array is marked (and differentiated) once
+    same: tuple[tuple[int, int], ...] = ()
 
     def what(self, key: str) -> str:
         """``"call site 'layers/0'"`` or ``"operation 'layers/0:exp'"``, for messages."""
@@ -71,7 +75,13 @@ class Spec:
         if lead:
             treedef = with_axes(treedef, lead)
         n = treedef.num_leaves
-        return treedef.unflatten([static[i] if i in static else next(it) for i in range(n)])
+        if not self.same:
+            return treedef.unflatten([static[i] if i in static else next(it) for i in range(n)])
+        same = dict(self.same)
+        out: list[Any] = []
+        for i in range(n):
+            out.append(static[i] if i in static else out[same[i]] if i in same else next(it))
+        return treedef.unflatten(out)
 
 
 def leading(axes: tuple[tuple[str, Any], ...]) -> tuple[tuple[str, int], ...]:
@@ -140,6 +150,12 @@ def _tag_batch(axis_data: Any, args: Any, dims: Any, **params: Any) -> Any:
         batching.broadcast(x, axis_data.size, 0, None) if d is None else jnp.moveaxis(x, d, 0)
         for x, d in zip(args, dims)
     ]
+    # A NamedArray-like value gains the axis too: its names fit its array (the vmap's axis_name,
+    # else "batch"); the mapped function itself still gets the value as it made it.
+    name = getattr(axis_data, "name", None)
+    lead = ((name if isinstance(name, str) else "batch", axis_data.size),)
+    spec = params["spec"]
+    params = {**params, "spec": dataclasses.replace(spec, treedef=with_axes(spec.treedef, lead))}
     return tag_p.bind(*moved, **params), [0] * len(moved)
 
 
@@ -181,9 +197,14 @@ def mark(out: Any, sid: int, key: str, op: bool = False) -> Any:
     """Bind the mark of session ``sid`` on the array leaves of ``out``; the same tree back.
     ``op``: ``key`` is an operation's address."""
     leaves, treedef = jax.tree.flatten(out)
-    arrays, static = [], []
+    arrays, static, same = [], [], []
+    first: dict[int, int] = {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, jax.Array | np.ndarray | core.Tracer):
+            if id(leaf) in first:  # the same array again (tied weights): kept one array
+                same.append((i, first[id(leaf)]))
+                continue
+            first[id(leaf)] = i
             arrays.append(leaf)
         else:
             try:
@@ -191,7 +212,7 @@ def mark(out: Any, sid: int, key: str, op: bool = False) -> Any:
                 static.append((i, leaf))
             except TypeError:
                 static.append((i, _Hashed(leaf)))
-    spec = Spec(treedef, tuple(static), op)
+    spec = Spec(treedef, tuple(static), op, tuple(same))
     if not arrays:
         live = live_session(sid)
         if live is not None:
