@@ -213,9 +213,7 @@ class ResidualStream:
         if mode not in ("all", "attn", "mlp"):
             raise HookaxError(f"{WHO}: mode= takes 'all', 'attn' or 'mlp', got {mode!r}.")
         top = self._layer(layer)
-        values, labels = [], []
-        if incl_embeds:
-            values, labels = self._embed_parts()
+        values, labels = self._embed_parts() if incl_embeds else ([], [])
         for i in range(top):
             if mode != "mlp":
                 values.append(self.attn[i])
