@@ -21,6 +21,7 @@ from .._capture.ops import intercept_op, parse_ops
 from .._engine import context as _context
 from .._engine.select import glob_to_regex, split_layers, split_method
 from .._util.errors import SelectorError
+from .._util.words import counted
 from . import compiled
 from .patch import PatchError, per_example, position_mask
 
@@ -127,7 +128,8 @@ def _check_unstacked(key: str, spec: Any, per_call: dict[str, Any], who: str) ->
         n = spec.shape[0]
         rows = f"{plain}[0:{n}]{':' + method if method else ''}:{op}"
         raise PatchError(
-            f"{who}: operation {key!r} runs inside a scan over layers ({n} layers of shape "
+            f"{who}: operation {key!r} runs inside a scan over layers "
+            f"({counted(n, 'layer')} of shape "
             f"{tuple(one)}); a grid patches one layer per row. Fix: ops={rows!r} (one row per "
             f"layer), or a layer suffix naming some of them."
         )

@@ -10,6 +10,7 @@ from collections.abc import Hashable, Mapping
 from typing import Any
 
 from .._util.errors import HookaxError
+from .._util.words import counted
 from . import haiku as _summary_haiku
 from . import render as _summary_render
 
@@ -203,7 +204,8 @@ class Summary:
     def __repr__(self) -> str:
         t = self.totals
         return (
-            f"<hx.Summary {self.title}: {len(self.rows)} call sites, {t.params:,} parameters, "
+            f"<hx.Summary {self.title}: {counted(len(self.rows), 'call site')}, "
+            f"{counted(t.params, 'parameter', ',')}, "
             f"{_summary_render.compact(t.flops)} FLOPs>"
         )
 
