@@ -129,11 +129,7 @@ def check_glob(pattern: str) -> None:
       hookax._util.errors.SelectorError: malformed path glob 'layers/[': ...
     """
     if pattern and _BARE_SUFFIX.search(pattern):
-        raise SelectorError(
-            f"malformed path glob {pattern!r}: a layer suffix follows the path of a call site "
-            "inside a scan, with no '/' before the bracket. Fix: name the call site first, "
-            "e.g. 'blocks[1]', 'blocks/attn[1,3]', or '*[2:5]' for any top-level call site."
-        )
+        raise _bare_suffix(pattern)
     if pattern and _GLOB_BAD.search(pattern):
         raise SelectorError(
             f"malformed path glob {pattern!r}: hookax globs use '/' between path segments, '*' "
@@ -142,6 +138,14 @@ def check_glob(pattern: str) -> None:
             "suffix at the end, 'blocks/attn[3]', is the one use of brackets). Fix: e.g. "
             "'layers/*/attn', '**/mlp' or 'layers/0'."
         )
+
+
+def _bare_suffix(pattern: str) -> SelectorError:
+    return SelectorError(
+        f"malformed path glob {pattern!r}: a layer suffix follows the path of a call site "
+        "inside a scan, with no '/' before the bracket. Fix: name the call site first, "
+        "e.g. 'blocks[1]', 'blocks/attn[1,3]', or '*[2:5]' for any top-level call site."
+    )
 
 
 # A layer suffix with no call site before it: ``"[1]"``, ``"blocks/[1,3]"``.
@@ -182,6 +186,8 @@ def split_layers(pattern: str) -> tuple[str, frozenset[int] | None]:
     if m is None:
         return pattern, None
     glob, spec = m.group(1), m.group(2)
+    if glob.endswith("/"):
+        raise _bare_suffix(pattern)
     picked: set[int] = set()
     for part in spec.split(","):
         part = part.strip()
