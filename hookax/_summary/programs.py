@@ -401,10 +401,14 @@ def _modules_error(fn: Any) -> str:
             f"or hx.summary({var}.apply, variables, *inputs), or initialised abstractly, "
             f"hx.summary({var}, *inputs)."
         )
+    if name == "<lambda>":
+        take, fn_name = f"lambda {var}, *inputs: ...", "that_function"
+    else:
+        take, fn_name = f"def {name}({var}, ...)", name
     return (
         f"hx.summary({name!r}, ...): the function calls the module {var!r} ({kind}) from "
-        "outside its arguments, so there is no model to summarise. Fix: take it as an "
-        f"argument, def {name}({var}, ...), and pass it: hx.summary({name}, {var}, *inputs)."
+        f"outside its arguments, so there is no model to summarise. Fix: take it as an "
+        f"argument, {take}, and pass it: hx.summary({fn_name}, {var}, *inputs)."
     )
 
 
