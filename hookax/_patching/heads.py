@@ -167,7 +167,7 @@ def check_heads(
             )
         sizes[key] = spec.shape[heads % nd]
         if n_heads is not None and sizes[key] != n_heads:
-            raise head_size_error(who, key, tuple(spec.shape), heads, n_heads)
+            raise head_size_error(who, key, tuple(spec.shape), int(heads), n_heads)
     if len(set(sizes.values())) != 1:
         raise PatchError(
             f"{who}: heads={heads} needs the same number of heads in every target, got "
