@@ -20,8 +20,9 @@ Examples:
   (('embed', 'layers/0'), ('0', '1'))
   >>> jnp.argmax(g), (g - 1)[1, 1], g.shape
   (Array(3, dtype=int32), Array(3., dtype=float32), (2, 2))
-  >>> g.normalized().round(2).tolist()          # (values - corrupted) / (clean - corrupted)
-  [[0.0, 0.33], [0.67, 1.0]]
+  >>> print(np.asarray(g.normalized()).round(2))  # (values - corrupted) / (clean - corrupted)
+  [[0.   0.33]
+   [0.67 1.  ]]
 """
 
 from __future__ import annotations
