@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import hookax as hx
+from hookax._patching import picture
 from hookax._patching.grid import Plan
 from hookax._util.extras import MissingExtraError
 
@@ -213,7 +214,7 @@ def test_repr_html_is_a_labelled_heatmap_centred_on_the_corrupted_run(grid: Any)
     # position 0 comes before the corrupted token: the corrupted run's metric, the scale's centre
     first = re.search(r'<td title="layers/0 × 0: [^"]*" style="[^"]*background:(#\w+)', page)
     assert first is not None and first.group(1) == "#f7f7f7"
-    assert f">{float(grid[0, 0]):.3g}<" in page  # a small grid writes its values
+    assert f">{picture.formatter(np.asarray(grid))(float(grid[0, 0]))}<" in page  # its values
 
 
 def test_show_prints_a_table_within_80_columns(grid: Any, monkeypatch: Any) -> None:
@@ -242,6 +243,13 @@ def test_show_prints_a_table_within_80_columns(grid: Any, monkeypatch: Any) -> N
     assert "\x1b[" in coloured  # each cell on its colour
     plain = re.sub(r"\x1b\[[0-9;]*m", "", coloured)
     assert all(len(line) <= 80 for line in plain.splitlines())
+
+
+def test_table_numbers_share_their_decimals() -> None:
+    fmt = picture.formatter(np.array([15.0, -6.31]))
+    assert [fmt(v) for v in (15.0, -6.31, -1e-9, float("nan"))] == ["15.0", "-6.3", "0.0", "nan"]
+    assert picture.formatter(np.array([0.186]))(0.18571) == "0.186"
+    assert picture.formatter(np.array([2e6]))(2e6) == "2.00e+06"
 
 
 def test_plot_is_a_labelled_figure(grid: Any, tmp_path: Any) -> None:

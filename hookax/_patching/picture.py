@@ -122,8 +122,23 @@ def _ink(rgb: tuple[int, int, int]) -> str:
     return "#000000" if 0.299 * rgb[0] + 0.587 * rgb[1] + 0.114 * rgb[2] > 140 else "#ffffff"
 
 
-def _fmt(v: float) -> str:
-    return f"{v:.3g}" if math.isfinite(v) else str(v)
+def formatter(m: np.ndarray) -> Any:
+    """How a table writes the values of ``m``: one number of decimals for all (three
+    significant digits of the largest), ``0.00`` rather than ``-0.00``; ``.2e`` for values
+    far from 1."""
+    finite = np.abs(m[np.isfinite(m)])
+    top = float(finite.max()) if finite.size else 0.0
+    if top and not 1e-3 <= top < 1e5:
+        return lambda v: f"{v:.2e}" if math.isfinite(v) else str(v)
+    digits = 2 if top == 0 else max(0, min(5, 2 - math.floor(math.log10(top))))
+
+    def fmt(v: float) -> str:
+        if not math.isfinite(v):
+            return str(v)
+        out = f"{v:.{digits}f}"
+        return f"{0.0:.{digits}f}" if float(out) == 0 else out
+
+    return fmt
 
 
 def heading(la: LabelledArray) -> str:
@@ -150,7 +165,8 @@ def layout(la: LabelledArray, width: int) -> list[list[tuple[str, str]]]:
     rows, cols, m = matrix(la)
     lo, hi = scale(la, m)
     diverging = centre(la) is not None
-    cells = [[_fmt(v) for v in r] for r in m[:MAX_ROWS]]
+    fmt = formatter(m)
+    cells = [[fmt(v) for v in r] for r in m[:MAX_ROWS]]
     cw = max(max((len(c) for r in cells for c in r), default=1), *(min(len(c), 6) for c in cols))
     corner = " \\ ".join(a for a in (" ".join(la.axes[:-1]), la.axes[-1] if la.axes else "") if a)
     lw = min(max(len(r) for r in [*rows[:MAX_ROWS], corner[: width // 3]]), width // 3)
@@ -223,6 +239,7 @@ def html(la: LabelledArray) -> str | None:
     lo, hi = scale(la, m)
     diverging = centre(la) is not None
     numbers = len(cols) <= NUMBERS_UP_TO
+    fmt = formatter(m)
     norm = (
         la.normalized()
         if la.clean is not None and la.corrupted is not None and la.clean != la.corrupted
@@ -245,7 +262,7 @@ def html(la: LabelledArray) -> str | None:
             tip = f"{label} × {c}: {v:.4g}"
             if nm is not None:
                 tip += f" (normalised {float(nm[r, i]):.3g})"
-            body = esc(_fmt(v)) if numbers else ""
+            body = esc(fmt(v)) if numbers else ""
             style = f"{td};background:{_hex(rgb)};color:{_ink(rgb)}"
             cells.append(f'<td title="{esc(tip)}" style="{style}">{body}</td>')
         out.append(
