@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import hookax as hx
 from hookax._patching import picture
@@ -132,6 +133,8 @@ def test_under_jit_labels_are_static(model: NModel, grid: Any) -> None:
     np.testing.assert_allclose(scaled, 2 * grid.values - jnp.abs(grid.values), atol=1e-6)
     kept = jax.block_until_ready(jax.device_put(grid))
     assert kept.labels == grid.labels and kept.clean == grid.clean
+    assert jax.typeof(grid) == jax.typeof(grid.values)  # what Flax NNX's transforms ask
+    np.testing.assert_allclose(nnx.jit(lambda x: x * 2)(grid), 2 * grid.values)
 
 
 def test_clean_and_corrupted_are_the_unpatched_metric_read_when_asked(

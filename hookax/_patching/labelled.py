@@ -5,12 +5,20 @@ position, and what the metric was on the clean and corrupted runs, lived in the 
 A :class:`LabelledArray` carries them: ``labels`` (one tuple of names per axis, or None),
 ``axes`` (the axes' names), and ``clean`` / ``corrupted`` (the metric of the unpatched runs).
 
-It stays an array wherever one was used: a registered pytree whose one leaf is the array (so
-``jax.jit``, ``jax.vmap``, ``jax.device_put`` and ``jax.tree`` functions see that array, and a
-grid returned from a jitted function comes back labelled, its labels static), with
-``__jax_array__`` (every ``jax.numpy`` function takes it), ``__array__`` (NumPy and its testing
-helpers), and arithmetic, comparisons, indexing and the array's methods delegated to the array,
-returning plain arrays. ``jax.lax`` primitives take only arrays: pass ``grid.values``.
+It stays an array wherever one was used. JAX no longer calls ``__jax_array__`` when it
+abstracts a value (``jax.jit``'s arguments, ``jax.lax`` primitives), so an array-like object
+alone is not enough; a :class:`LabelledArray` is
+
+* a registered pytree whose one leaf is the array: ``jax.jit``, ``jax.vmap``, ``jax.grad``,
+  ``jax.device_put``, ``jax.block_until_ready`` and ``jax.tree`` functions see that array, and
+  a grid returned from a jitted function comes back labelled (its labels are static data);
+* a Python subclass of ``jax.Array`` (``isinstance(grid, jax.Array)`` holds, as it did), its
+  abstract value its array's (``jax.typeof``, which Flax NNX's transforms ask);
+* with ``__jax_array__`` (every ``jax.numpy`` function takes it), ``__array__`` (NumPy and its
+  testing helpers), and arithmetic, comparisons, indexing and every method and property of
+  ``jax.Array`` delegated to the array, returning plain arrays.
+
+``jax.lax`` primitives called on it eagerly still refuse it: pass ``grid.values``.
 
 Examples:
   >>> import jax.numpy as jnp
@@ -55,8 +63,10 @@ class LabelledArray(jax.Array):
     ``jnp.abs(grid)``, ``grid.shape``, ``grid.reshape(...)``, NumPy's testing helpers, and
     ``jax.jit`` / ``jax.vmap`` (a pytree whose one leaf is the array, the labels static) all
     work, and every one of them returns a plain array. ``jax.lax`` primitives take only arrays:
-    pass ``grid.values``. In a notebook it shows as a heatmap; printed, as a table that fits
-    the terminal; [`plot`][hookax.LabelledArray.plot] draws it with matplotlib.
+    pass ``grid.values``. A grid passed whole into your own jitted function is traced again for
+    each new grid (its metric values are static data); ``grid.values`` shares one trace. In a
+    notebook it shows as a heatmap; printed, as a table that fits the terminal;
+    [`plot`][hookax.LabelledArray.plot] draws it with matplotlib.
 
     Attributes:
       values: the array.
@@ -65,7 +75,8 @@ class LabelledArray(jax.Array):
       labels: for each axis of ``axes``, its entries' names, or None (an axis of numbers).
       clean: the metric of the clean run, a float (None: no metric, not a scalar, or computed
         under a transform); a grid runs the unpatched forwards the first time it is read (by
-        you, a picture or ``normalized``), one small program.
+        you, a picture or ``normalized``), one small program, and until then holds the
+        arrays of both runs (the model's weights and the inputs as they were at the call).
       corrupted: the metric of the corrupted run, likewise.
       delta: whether the values are changes of the metric from the corrupted run
         (``hx.attribution_patch``'s estimates) rather than the metric itself.
