@@ -275,6 +275,12 @@ def test_plot_is_a_labelled_figure(grid: Any, tmp_path: Any) -> None:
     want = (np.asarray(grid, np.float64) - grid.corrupted) / (grid.clean - grid.corrupted)
     np.testing.assert_allclose(normed.get_array(), want, rtol=1e-6)
     assert sum(normed.get_clim()) == pytest.approx(0.0)
+    # a logit lens: its layers (by the readout's leading axes) as rows, a sequential scale
+    acts = {f"layers/{i}": (jnp.full((1, 2), float(i)),) for i in range(3)}
+    lens_ax = hx.logit_lens(lambda x: x, acts).plot().axes[0]
+    assert (lens_ax.get_ylabel(), lens_ax.get_xlabel()) == ("layer", "")
+    assert [t.get_text() for t in lens_ax.get_yticklabels()] == [f"{s} 0" for s in SITES]
+    assert lens_ax.get_images()[0].get_clim() == (0.0, 2.0)
 
 
 def test_plot_without_matplotlib_names_the_extra(grid: Any, monkeypatch: Any) -> None:

@@ -77,6 +77,22 @@ def matrix(la: LabelledArray) -> tuple[list[str], list[str], np.ndarray]:
     return rows, cols, a.reshape(-1, shape[-1])
 
 
+def axis_names(la: LabelledArray) -> tuple[list[str], str]:
+    """The named axes that make a picture's rows, and the name of its columns' axis (empty for
+    an axis without a name: a readout's or a metric's own)."""
+    ndim = np.ndim(la.values)
+    names = [*la.axes[:ndim], *[""] * (ndim - len(la.axes))]
+    if not names:
+        return [], ""
+    return [n for n in names[:-1] if n], names[-1]
+
+
+def _corner(la: LabelledArray) -> str:
+    """The table's corner: ``target head \\ position``."""
+    rows, col = axis_names(la)
+    return " \\ ".join(a for a in (" ".join(rows), col) if a)
+
+
 def centre(la: LabelledArray) -> float | None:
     """The value the colour scale diverges around (None: a sequential scale)."""
     if la.delta:
@@ -168,7 +184,7 @@ def layout(la: LabelledArray, width: int) -> list[list[tuple[str, str]]]:
     fmt = formatter(m)
     cells = [[fmt(v) for v in r] for r in m[:MAX_ROWS]]
     cw = max(max((len(c) for r in cells for c in r), default=1), *(min(len(c), 6) for c in cols))
-    corner = " \\ ".join(a for a in (" ".join(la.axes[:-1]), la.axes[-1] if la.axes else "") if a)
+    corner = _corner(la)
     lw = min(max(len(r) for r in [*rows[:MAX_ROWS], corner[: width // 3]]), width // 3)
     fit = max(1, (width - lw) // (cw + 1))
     shown = list(range(len(cols)))
@@ -249,9 +265,7 @@ def html(la: LabelledArray) -> str | None:
     td = "padding:2px 4px;text-align:right;font-family:monospace;font-size:11px"
     out = ['<div class="hookax">', '<table style="border-collapse:collapse">']
     out.append(f'<caption style="text-align:left"><b>{esc(heading(la))}</b></caption>')
-    corner = esc(
-        " \\ ".join(a for a in (" ".join(la.axes[:-1]), la.axes[-1] if la.axes else "") if a)
-    )
+    corner = esc(_corner(la))
     heads = "".join(f'<th style="{td}">{esc(c)}</th>' for c in cols[:HTML_COLS])
     out.append(f'<thead><tr><th style="text-align:left">{corner}</th>{heads}</tr></thead><tbody>')
     for r, label in enumerate(rows[:HTML_ROWS]):
@@ -330,9 +344,9 @@ def plot(
         ax.set_xticks(range(len(cols)), cols, fontsize=7)
     if len(rows) <= 64:
         ax.set_yticks(range(len(rows)), rows, fontsize=7)
-    if la.axes:
-        ax.set_xlabel(la.axes[-1])
-        ax.set_ylabel(" / ".join(la.axes[:-1]) or "")
+    row_axes, col_axis = axis_names(la)
+    ax.set_xlabel(col_axis)
+    ax.set_ylabel(" / ".join(row_axes))
     ax.set_title(title if title is not None else heading(la), fontsize=9)
     fig.colorbar(im, ax=ax, label=la.title or "value")
     if out is not None:
