@@ -263,10 +263,14 @@ def html(la: LabelledArray) -> str | None:
     )
     nm = matrix(norm)[2] if norm is not None else None
     td = "padding:2px 4px;text-align:right;font-family:monospace;font-size:11px"
-    out = ['<div class="hookax">', '<table style="border-collapse:collapse">']
+    out = [
+        '<div class="hookax">',
+        f"<style>.hookax-heatmap td {{{td}}} .hookax-heatmap th {{font-size:11px}}</style>",
+        '<table class="hookax-heatmap" style="border-collapse:collapse">',
+    ]
     out.append(f'<caption style="text-align:left"><b>{esc(heading(la))}</b></caption>')
     corner = esc(_corner(la))
-    heads = "".join(f'<th style="{td}">{esc(c)}</th>' for c in cols[:HTML_COLS])
+    heads = "".join(f'<th style="text-align:right">{esc(c)}</th>' for c in cols[:HTML_COLS])
     out.append(f'<thead><tr><th style="text-align:left">{corner}</th>{heads}</tr></thead><tbody>')
     for r, label in enumerate(rows[:HTML_ROWS]):
         cells = []
@@ -277,11 +281,9 @@ def html(la: LabelledArray) -> str | None:
             if nm is not None:
                 tip += f" (normalised {float(nm[r, i]):.3g})"
             body = esc(fmt(v)) if numbers else ""
-            style = f"{td};background:{_hex(rgb)};color:{_ink(rgb)}"
+            style = f"background:{_hex(rgb)};color:{_ink(rgb)}"
             cells.append(f'<td title="{esc(tip)}" style="{style}">{body}</td>')
-        out.append(
-            f'<tr><th style="text-align:left;font-size:11px">{esc(label)}</th>{"".join(cells)}</tr>'
-        )
+        out.append(f'<tr><th style="text-align:left">{esc(label)}</th>{"".join(cells)}</tr>')
     out.append("</tbody></table>")
     notes = [
         f"colour scale {lo:.4g} (red) … {hi:.4g} (blue)"
