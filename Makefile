@@ -1,9 +1,18 @@
-# `make demo` and `make test` each create .venv when missing, install the project and run.
-# .venv holds the locked development set (requirements-dev.lock: the newest versions, pinned) and
-# the project in editable mode; nox's test sessions live in .nox/ (see noxfile.py).
+# `make demo` and `make test` each create the venv of their Python when missing, install the
+# project and run. PYTHON picks the Python (python3.11 unless told: `make PYTHON=python3.12 test`)
+# and with it everything else: the venv (.venv for 3.11, .venv-3.12, .venv-3.13: one per Python,
+# so switching back and forth reinstalls nothing), its lock (requirements-dev.lock for 3.11,
+# requirements-dev-py312.lock, requirements-dev-py313.lock: the newest versions, pinned) and the
+# Python of the nox test sessions (HOOKAX_PYTHON, read by noxfile.py). The venv holds its lock
+# and the project in editable mode; nox's test sessions live in .nox/ (see noxfile.py).
 PYTHON ?= python3.11
-VENV := .venv
+# PYTHON as a command that runs (pyenv's installed but unselected versions included), its X.Y.
+PY := $(shell sh .ci/python_path "$(PYTHON)")
+PYVER := $(if $(PY),$(shell "$(PY)" -c 'import sys; print("%d.%d" % sys.version_info[:2])'))
+VENV := $(if $(filter 3.11,$(PYVER)),.venv,.venv-$(PYVER))
+LOCK := $(if $(filter 3.11,$(PYVER)),requirements-dev.lock,requirements-dev-py$(subst .,,$(PYVER)).lock)
 BIN := $(VENV)/bin
+export HOOKAX_PYTHON := $(PYVER)
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export NO_MKDOCS_2_WARNING := 1
 export UV_PYTHON_DOWNLOADS := never
@@ -11,16 +20,17 @@ export UV_PYTHON_DOWNLOADS := never
 .PHONY: demo dist test test-newest test-oldest test-slow test-wheel test-py312 test-py313 test-latest test-parity test-models lock-models lint typecheck docs bench lock install-dev install compat
 
 $(BIN)/python:
-	@command -v $(PYTHON) >/dev/null 2>&1 || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3)"; exit 1; }
-	$(PYTHON) -m venv $(VENV)
+	@[ -n "$(PY)" ] || { echo "make: $(PYTHON) does not run on this machine. Fix: install it (pyenv install $(patsubst python%,%,$(notdir $(PYTHON))), or your system's $(notdir $(PYTHON)) package), or point PYTHON at an interpreter: make PYTHON=/path/to/$(notdir $(PYTHON)) $(MAKECMDGOALS)"; exit 1; }
+	@[ -f "$(LOCK)" ] || { echo "make: $(PYTHON) is Python $(PYVER); hookax's development sets are locked for Python 3.11, 3.12 and 3.13 ($(LOCK) does not exist). Fix: make PYTHON=python3.11 (or python3.12, python3.13)"; exit 1; }
+	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
-$(VENV)/.installed-cli: $(BIN)/python pyproject.toml requirements-dev.lock
-	$(BIN)/python -m pip install -q -c requirements-dev.lock -e ".[cli]"
+$(VENV)/.installed-cli: $(BIN)/python pyproject.toml $(LOCK)
+	$(BIN)/python -m pip install -q -c $(LOCK) -e ".[cli]"
 	@touch $@
 
-$(VENV)/.installed-dev: $(BIN)/python pyproject.toml requirements-dev.lock
-	$(BIN)/python -m pip install -q -r requirements-dev.lock
+$(VENV)/.installed-dev: $(BIN)/python pyproject.toml $(LOCK)
+	$(BIN)/python -m pip install -q -r $(LOCK)
 	$(BIN)/python -m pip install -q --no-deps -e .
 	@touch $@ $(VENV)/.installed-cli
 
@@ -45,8 +55,9 @@ typecheck: $(VENV)/.installed-dev
 	$(BIN)/mypy
 
 # The whole suite on the locked newest set, a representative subset on the oldest supported set,
-# the docs site. CI (.ci/run) also runs test-wheel: the built wheel installed with each extra into
-# fresh venvs (about a minute more).
+# the docs site, each on PYTHON (the oldest set has no Python 3.13 wheels: with PYTHON=python3.13
+# it runs on 3.11, and says so). About 12 minutes on 2 cores (Python 3.11). CI (.ci/run) also runs
+# test-wheel: the built wheel installed with each extra into fresh venvs (about a minute more).
 test: lint typecheck test-newest test-oldest docs
 
 test-newest: $(VENV)/.installed-dev

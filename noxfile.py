@@ -1,7 +1,7 @@
 """Test sessions on the two ends of the supported range, and the wheel as a user installs it.
 
     nox                     # newest (locked) + oldest + wheel: what CI (.ci/run) runs
-    nox -s newest           # the whole suite on requirements-dev.lock (the newest set, locked)
+    nox -s newest           # the whole suite on the newest set, locked (requirements-dev.lock)
     nox -s oldest           # a representative subset on the lower bounds (constraints-oldest.txt)
     nox -s py312            # the whole suite, the slow tests and the docs on Python 3.12's lock
     nox -s py313            # what reads Python's own machinery, on Python 3.13's lock
@@ -17,6 +17,10 @@
 Each Python has its lock (``make lock`` refreshes all three): ``requirements-dev.lock`` (3.11,
 the lowest supported Python, where the registry's newest JAX is 0.10), and
 ``requirements-dev-py312.lock`` / ``requirements-dev-py313.lock`` (JAX 0.12 needs Python >= 3.12).
+
+``newest``, ``slow`` and ``oldest`` run on Python 3.11, or on the Python that ``HOOKAX_PYTHON``
+names (``3.12``; ``make PYTHON=python3.12 test`` sets it), with that Python's lock; the oldest
+set has no Python 3.13 wheels, so on 3.13 ``oldest`` runs on 3.11 and says so.
 
 Sessions reuse their virtualenvs (under .nox/) and install with uv when it is there, so a second
 run spends its time in the tests, not in installing.
@@ -38,12 +42,24 @@ nox.options.default_venv_backend = "uv|venv"
 nox.options.reuse_venv = "yes"
 nox.options.sessions = ["newest", "oldest", "slow", "oldest-slow", "wheel"]
 
-PYTHON = "3.11"
 LOCKS = {
     "3.11": "requirements-dev.lock",
     "3.12": "requirements-dev-py312.lock",
     "3.13": "requirements-dev-py313.lock",
 }
+# The Python of the sessions that do not name one: 3.11, the lowest supported.
+BASE = "3.11"
+# The Python of `make test`'s sessions (newest, oldest, slow): the Makefile's PYTHON, as X.Y in
+# HOOKAX_PYTHON (`make PYTHON=python3.12 test`), else 3.11. Each installs its Python's lock.
+PYTHON = os.environ.get("HOOKAX_PYTHON") or BASE
+if PYTHON not in LOCKS:
+    raise SystemExit(
+        f"noxfile.py: HOOKAX_PYTHON={PYTHON!r}; the development sets are locked for Python "
+        f"{', '.join(LOCKS)}. Fix: HOOKAX_PYTHON=3.11 (or make PYTHON=python3.11)."
+    )
+# The oldest set (matplotlib 3.9.0, tensorstore 0.1.62, ...) has no Python 3.13 wheels: on 3.13
+# the oldest sessions run on 3.11.
+OLDEST_PYTHON = PYTHON if PYTHON in ("3.11", "3.12") else BASE
 
 
 def _pyenv_pythons() -> None:
@@ -81,9 +97,9 @@ os.environ.setdefault("UV_PYTHON_DOWNLOADS", "never")
 # The oldest set runs the tests that exercise what differs between versions: every framework
 # adapter (the conformance suite on NNX, Linen and Equinox; paths through their transforms),
 # capture and activation gradients through the transforms (the per-primitive rules), summary and
-# its FLOPs, harvest's TensorStore, the public namespace and extras, and the README (whose
-# operations example runs Flax's attention path; tests/test_ops.py passed on the oldest set by
-# hand: 26 passed, 1 skipped, and stays out to keep `make test` short). The rest
+# its FLOPs, harvest's TensorStore, the public namespace and extras, and the README's first
+# example pasted into a plain prompt (tests/test_ops.py passed on the oldest set by hand: 26
+# passed, 1 skipped, and stays out to keep `make test` short). The rest
 # (property, memory, thread and sharding soaks, the CLI's subprocess runs, the recipes) runs on
 # the newest set only. Run everything on the oldest set with `nox -s oldest -- tests hookax docs
 # README.md -k "not (nnx_capture or perturb)"`: the five tests left out compare with
@@ -97,7 +113,7 @@ OLDEST_TESTS = [
     "tests/test_summary.py",
     "tests/test_harvest.py",
     "tests/test_packaging.py",
-    "README.md",
+    "tests/test_readme.py",
 ]
 # nnx.capture, the reference these compare with, is new in Flax 0.12.6
 # Two pytest workers: the suite is mostly single-threaded tracing, and CI has two cores.
@@ -108,8 +124,7 @@ OLDEST_DESELECT = "not (test_parity_with_nnx_capture or test_equals_perturb)"
 @nox.session(python=PYTHON)
 def newest(session: nox.Session) -> None:
     """The whole suite (tests, doctests of hookax/, docs/ and the README) on the locked set."""
-    session.install("-r", "requirements-dev.lock")
-    session.install("--no-deps", "-e", ".")
+    _locked(session)
     args = session.posargs or ["-m", "not slow"]
     session.run("python", "-m", "pytest", "-q", *WORKERS, *args, env=ENV)
 
@@ -117,18 +132,18 @@ def newest(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def slow(session: nox.Session) -> None:
     """The tests marked ``slow`` (soaks, subprocess and signal runs), on the locked newest set."""
-    session.install("-r", "requirements-dev.lock")
-    session.install("--no-deps", "-e", ".")
+    _locked(session)
     session.run("python", "-m", "pytest", "-q", *WORKERS, "-m", "slow", *session.posargs, env=ENV)
 
 
-@nox.session(python=PYTHON)
+@nox.session(python=OLDEST_PYTHON)
 def oldest(session: nox.Session) -> None:
     """The representative subset on the lower bounds of every range in pyproject.toml.
 
     Old releases of Flax and Equinox use JAX APIs that newer JAX deprecates, so deprecation
     warnings are not errors here (they are on the newest set).
     """
+    _oldest_python(session)
     session.install("-c", "constraints-oldest.txt", "-e", ".[test]")
     session.run("python", ".ci/check_pins.py", "constraints-oldest.txt")
     args = session.posargs or [*OLDEST_TESTS, "-k", OLDEST_DESELECT, "-m", "not slow"]
@@ -136,14 +151,23 @@ def oldest(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-q", *WORKERS, *warnings, *args, env=ENV)
 
 
-@nox.session(python=PYTHON, name="oldest-slow")
+@nox.session(python=OLDEST_PYTHON, name="oldest-slow")
 def oldest_slow(session: nox.Session) -> None:
     """The oldest set's tests marked ``slow`` (CI runs them after ``make test``, so the oldest
     set checks everything it did before tests moved to the ``slow`` marker)."""
+    _oldest_python(session)
     session.install("-c", "constraints-oldest.txt", "-e", ".[test]")
     args = session.posargs or [*OLDEST_TESTS, "-k", OLDEST_DESELECT, "-m", "slow"]
     warnings = ["-W", "ignore::DeprecationWarning"]
     session.run("python", "-m", "pytest", "-q", *WORKERS, *warnings, *args, env=ENV)
+
+
+def _oldest_python(session: nox.Session) -> None:
+    if OLDEST_PYTHON != PYTHON:
+        session.log(
+            f"the oldest set has no Python {PYTHON} wheels (matplotlib 3.9.0, tensorstore "
+            f"0.1.62): it runs on Python {OLDEST_PYTHON}"
+        )
 
 
 # The slow tests that check the machine and the interpreter rather than JAX (pages pasted into
@@ -232,8 +256,9 @@ def latest(session: nox.Session) -> None:
     """Today's releases, unlocked (what a user who installs hookax now gets): a new JAX, Flax or
     Equinox release that breaks hookax fails here the day it appears. Run it before refreshing
     the locks (``make lock``). Where every installed release is the one Python 3.12's lock pins
-    (py312 ran the whole suite on exactly these), the suite would repeat py312's, so only the
-    representative subset runs; any release that differs runs the whole suite."""
+    (py312 ran the whole suite on exactly these), the suite would repeat py312's, so only what
+    the install itself decides runs (the public namespace and extras, the README's example);
+    any release that differs runs the whole suite."""
     import json
 
     session.install("--upgrade", "-e", ".[test]")
@@ -252,9 +277,9 @@ def latest(session: nox.Session) -> None:
     if new:
         session.log("releases other than Python 3.12's lock: " + ", ".join(new))
         args = ["-m", "not slow"]
-    else:
+    else:  # py312 ran everything on exactly these: what the extras install is what remains
         session.log("every release is Python 3.12's lock (py312 ran the suite on them)")
-        args = [*PYTHON_TESTS, "-m", "not slow"]
+        args = ["tests/test_packaging.py", "tests/test_readme.py", "-m", "not slow"]
     session.run("python", "-m", "pytest", "-q", *WORKERS, *args, env=ENV)
 
 
@@ -264,7 +289,7 @@ _VERSIONS = (
 )
 
 
-@nox.session(python=[PYTHON, "3.12"])
+@nox.session(python=[BASE, "3.12"])
 def compat(session: nox.Session) -> None:
     """The frameworks' own test suites with hookax imported (``compat/run.py``), on the
     frameworks of the session's lock."""
@@ -283,7 +308,7 @@ def _pins(path: str) -> dict[str, str]:
 
 # pip, not uv: torch's pinned release is a local CPU wheel that pip's configuration finds and uv
 # does not (uv would fetch a multi-GB CUDA build).
-@nox.session(python=PYTHON, venv_backend="venv")
+@nox.session(python=BASE, venv_backend="venv")
 def parity(session: nox.Session) -> None:
     """hookax against TransformerLens on the same random GPT weights (tests/parity/): the cache,
     the residual-stream views, direct logit attribution, the block-every sweep and attribution
@@ -294,7 +319,7 @@ def parity(session: nox.Session) -> None:
     pins = _pins(PARITY_PINS)
     session.install(pins["torch"])
     session.install("-c", PARITY_PINS, pins["transformer-lens"])
-    session.install("-c", LOCKS[PYTHON], "-c", PARITY_PINS, "-e", ".[test]")
+    session.install("-c", LOCKS[BASE], "-c", PARITY_PINS, "-e", ".[test]")
     if session.posargs[:1] == ["report"]:
         session.run("python", "-m", "tests.parity.report", *session.posargs[1:], env=ENV)
         return
@@ -305,7 +330,7 @@ def parity(session: nox.Session) -> None:
 BRIDGE_PINS = "tests/parity/constraints-bridge.txt"
 
 
-@nox.session(python=PYTHON, venv_backend="venv", name="parity_bridge")
+@nox.session(python=BASE, venv_backend="venv", name="parity_bridge")
 def parity_bridge(session: nox.Session) -> None:
     """hookax against the current TransformerLens' ``TransformerBridge`` (4.x, which removed
     ``HookedTransformer``) on a random tiny GPT-2 built offline (tests/parity/test_bridge.py):
@@ -316,7 +341,7 @@ def parity_bridge(session: nox.Session) -> None:
     pins = _pins(BRIDGE_PINS)
     session.install(pins["torch"])
     session.install("-c", BRIDGE_PINS, pins["transformer-lens"])
-    session.install("-c", LOCKS[PYTHON], "-c", BRIDGE_PINS, "-e", ".[test]")
+    session.install("-c", LOCKS[BASE], "-c", BRIDGE_PINS, "-e", ".[test]")
     env = {**ENV, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     args = session.posargs or ["tests/parity/test_bridge.py"]
     session.run("python", "-m", "pytest", "-q", *args, env=env)
@@ -359,7 +384,7 @@ def models(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "-q", "-W", "ignore::DeprecationWarning", *args, env=env)
 
 
-@nox.session(python=PYTHON, venv_backend="none")
+@nox.session(python=BASE, venv_backend="none")
 def wheel(session: nox.Session) -> None:
     """Build the wheel; install it with only ``pip install "dist/hookax-*.whl[extra]"`` into a
     fresh venv per extra (nnx, equinox, all) and run what a user would run first."""

@@ -66,11 +66,11 @@ from ._hooks.hooks import register_full_backward_pre_hook as register_full_backw
 from ._hooks.hooks import remove_hooks as remove_hooks
 from ._hooks.intercept import Interceptor as Interceptor
 from ._hooks.intercept import intercept as intercept
+from ._interp.components import Components as Components
 from ._interp.names import Name as Name
 from ._interp.names import Names as Names
 from ._interp.names import names as names
 from ._interp.names import transformer_names as transformer_names
-from ._interp.resid import Components as Components
 from ._interp.resid import ResidualStream as ResidualStream
 from ._interp.stack import Stack as Stack
 from ._interp.sweeps import patch_block_every as patch_block_every

@@ -40,18 +40,22 @@ def test_nnx_inputs_are_the_residual_stream_before_each_block(mode):
     np.testing.assert_allclose(y, h, rtol=1e-6)
 
 
+class Two(nnx.Module):
+    def __call__(self, a, b):
+        return a * b
+
+
+class Outer(nnx.Module):
+    """Calls ``two`` with two positional arguments: ``two(x, x + 1)``."""
+
+    def __init__(self):
+        self.two = Two()
+
+    def __call__(self, x):
+        return self.two(x, x + 1.0)
+
+
 def test_several_positional_inputs_are_a_tuple_and_gradients_flow():
-    class Two(nnx.Module):
-        def __call__(self, a, b):
-            return a * b
-
-    class Outer(nnx.Module):
-        def __init__(self):
-            self.two = Two()
-
-        def __call__(self, x):
-            return self.two(x, x + 1.0)
-
     m = Outer()
     _, acts = hx.capture(m, where="two", inputs=True)(X)
     a, b = acts["two:in"][0]

@@ -229,7 +229,7 @@ def test_gradflow_of_a_parameter_free_model(capsys, tmp_path, factories):
     )
     assert (code, err) == (0, "")
     assert out.splitlines()[1].split()[0] == "act"
-    assert out.splitlines()[-1] == f"wrote {out_png} (1 call sites, 0 with parameters)"
+    assert out.splitlines()[-1] == f"wrote {out_png} (1 call site, 0 with parameters)"
 
 
 def test_gradflow_checks_out_before_any_work(capsys, tmp_path, factories):

@@ -180,7 +180,7 @@ def test_reprs_are_one_short_line():
     )
     ops = hx.ops(nnx.Linear(2, 3, rngs=nnx.Rngs(0)), jax.ShapeDtypeStruct((1, 2), "float32"))
     assert [r.name for r in ops] == ["dot_general", "reshape", "add"]
-    assert repr(ops) == "<hx.Ops: 3 operations in 1 call sites>"
+    assert repr(ops) == "<hx.Ops: 3 operations in 1 call site>"
 
 
 def test_short_source_paths(monkeypatch, tmp_path):

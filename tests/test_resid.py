@@ -5,6 +5,7 @@ Linen, Equinox and a scanned NNX stack."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import pickle
 from typing import Any
@@ -70,6 +71,33 @@ def test_accumulated_resid(gpt: Any) -> None:
     assert mid.labels == ("0_pre", "0_mid", "1_pre")
     close(mid["0_mid"], HAND["resid_mid"][0][:, -1])
     assert rs.accumulated_resid(0).labels == ("0_pre",)
+
+
+def test_accumulated_resid_apply_ln_recomputes_the_final_norm_per_entry(gpt: Any) -> None:
+    """``apply_ln=True`` is the logit lens: the final norm applied to each entry with its own
+    statistics (TransformerLens 3.9); ``frozen_ln=True`` the forward's scale, frozen."""
+    m, rs = gpt
+    gamma, beta = g.WEIGHTS["ln_f"]
+    acc = jnp.concatenate([HAND["resid_pre"], HAND["resid_final"][None]])
+    if m.name == "linen":  # Linen's variables hold no epsilon
+        with pytest.raises(hx.HookaxError, match=r"holds no epsilon .* Components\(norm_eps="):
+            rs.accumulated_resid(apply_ln=True)
+        rs = hx.ResidualStream(
+            rs.acts, dataclasses.replace(rs.components, norm_eps=g.EPS), m.weights
+        )
+    lens = rs.accumulated_resid(apply_ln=True)
+    assert lens.labels == ("0_pre", "1_pre", "final_post")
+    close(lens.values, g.layer_norm(acc, gamma, beta))
+    close(lens["final_post"] @ g.WEIGHTS["W_U"] + g.WEIGHTS["b_U"], HAND["logits"])
+    part = rs.accumulated_resid(1, incl_mid=True, apply_ln=True, pos=-1)
+    assert part.labels == ("0_pre", "0_mid", "1_pre")
+    close(part["0_mid"], g.layer_norm(HAND["resid_mid"][0][:, -1], gamma, beta))
+    frozen = rs.accumulated_resid(frozen_ln=True)
+    centred = acc - acc.mean(-1, keepdims=True)
+    close(frozen.values, centred / HAND["scale"] * gamma)
+    close(frozen.values, rs.apply_ln_to_stack(rs.accumulated_resid()).values)
+    with pytest.raises(hx.HookaxError, match="give one of them"):
+        rs.accumulated_resid(apply_ln=True, frozen_ln=True)
 
 
 def test_decompose_resid_adds_up_to_the_stream(gpt: Any) -> None:

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import hookax as hx
-from tests.test_capture_inputs import Res
+from tests.test_capture_inputs import Outer, Res
 from tests.test_scan_layers import Scanned, X, _kernels, unrolled
 
 
@@ -112,17 +112,6 @@ def test_a_hook_at_one_layer_of_a_scanned_stack_input():
 
 
 def test_a_hook_at_several_inputs_gets_and_returns_the_tuple():
-    class Two(nnx.Module):
-        def __call__(self, a, b):
-            return a * b
-
-    class Outer(nnx.Module):
-        def __init__(self):
-            self.two = Two()
-
-        def __call__(self, x):
-            return self.two(x, x + 1.0)
-
     m = Outer()
     with hx.hooks(forward=lambda mod, args, v: (v[1], v[0] * 2.0), where="two:in"):
         np.testing.assert_allclose(m(X), (X + 1.0) * X * 2.0, rtol=1e-6)

@@ -37,6 +37,7 @@ from .._transforms import tags as _tags
 from .._util.errors import HookaxError, SelectorError
 from .._util.fnkey import FnKey, reachable
 from .._util.parts import leaf_at, parts, replace_at, split_part, with_axes
+from .._util.words import counted
 from ..frameworks._functions import as_program
 from . import jitted as _jitted
 from . import ops as _ops
@@ -477,7 +478,7 @@ def layer_split(
     if any(i >= length for i in layers):
         raise HookaxError(
             f"{key!r} selects layer {max(layers)}, but the scan that runs call site {site!r} has "
-            f"{length} layers (0 to {length - 1}). Fix: pick an index below {length}."
+            f"{counted(length, 'layer')} (0 to {length - 1}). Fix: pick an index below {length}."
         )
     axis = sum(
         1

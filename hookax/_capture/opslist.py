@@ -8,6 +8,7 @@ from typing import Any
 
 from .._engine import adapters as _adapters
 from .._engine.select import ALL_METHODS, Where, as_selector, resolve_instances
+from .._util.words import counted
 from ..frameworks._functions import as_program
 from .ops import Listing, OpHandler, OpPattern, OpRow, named_softmax
 
@@ -47,7 +48,8 @@ class Ops:
         differs)."""
         from .._util.display import Grid, Line
 
-        footer = (f"{len(self.rows)} operations in {len({r.key for r in self.rows})} call sites",)
+        sites = len({r.key for r in self.rows})
+        footer = (f"{counted(len(self.rows), 'operation')} in {counted(sites, 'call site')}",)
         wide: list[Any] = []
         narrow: list[Any] = []
         key = source = None
@@ -83,7 +85,7 @@ class Ops:
 
     def __repr__(self) -> str:
         sites = len({r.key for r in self.rows})
-        return f"<hx.Ops: {len(self.rows)} operations in {sites} call sites>"
+        return f"<hx.Ops: {counted(len(self.rows), 'operation')} in {counted(sites, 'call site')}>"
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython's text
         p.text(str(self))

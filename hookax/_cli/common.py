@@ -32,6 +32,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, NoReturn
 
+from .._util.words import counted
 from .failures import _TRACING_ERRORS, model_failed
 from .failures import first_line as _first_line
 from .flags import call_problem, function_problem, in_flags, where_error
@@ -69,7 +70,21 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message} (see: {self.prog} --help)")
+        raise UsageError(f"{message}{_did_you_mean(message)} (see: {self.prog} --help)")
+
+
+def _did_you_mean(message: str) -> str:
+    """``"; did you mean 'summary'?"`` for argparse's "invalid choice: 'sumary' (choose from
+    ...)", else ``""``."""
+    import difflib
+    import re
+
+    m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+    if m is None:
+        return ""
+    choices = re.findall(r"'([^']*)'", m.group(2)) or [c.strip() for c in m.group(2).split(",")]
+    near = difflib.get_close_matches(m.group(1), choices, n=1)
+    return f"; did you mean {near[0]!r}?" if near else ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,7 +185,33 @@ def _load_factory(spec: str, what: str = "factory") -> Any:
         obj = getattr(obj, part)
     if not callable(obj):
         raise UsageError(f"{what} {spec!r} is not callable")
+    needed = _required_parameters(obj)
+    if needed:
+        names = ", ".join(needed)
+        call = ", ".join(f"{n}=..." for n in needed)
+        raise UsageError(
+            f"{what} {spec!r} needs {names} (no default) and the command calls it with no "
+            f"arguments. Fix: give {'it a default' if len(needed) == 1 else 'them defaults'}, "
+            f"or add a function without arguments that calls it, def build(): return "
+            f"{attr}({call}), and pass {mod_name}:build"
+        )
     return obj
+
+
+def _required_parameters(fn: Any) -> list[str]:
+    """The parameters ``fn()`` would miss: those without a default, ``*args``/``**kw`` aside."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to read: the call will say
+        return []
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [
+        name
+        for name, p in sig.parameters.items()
+        if p.default is inspect.Parameter.empty and p.kind not in variadic
+    ]
 
 
 def _is_function_ref(text: str) -> bool:
@@ -635,7 +676,8 @@ def _gradflow(args: argparse.Namespace) -> None:
         print("d loss / d (parameters), mean and max of |g|:")
         for key, (mean, top) in flow.params.items():
             print(f"  {key:<{width}}  {mean:.4e}  {top:.4e}")
-    print(f"wrote {args.out} ({len(flow.outputs)} call sites, {len(flow.params)} with parameters)")
+    sites = counted(len(flow.outputs), "call site")
+    print(f"wrote {args.out} ({sites}, {len(flow.params)} with parameters)")
 
 
 def _concrete_kwargs(kwargs: dict[str, Any], seed: int) -> dict[str, Any]:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from .._util.words import counted
+
 __all__ = ["add_parser", "run"]
 
 HELP = "run a model over batches (random, or --tokens FILE) and store chosen layers' outputs"
@@ -213,7 +215,8 @@ def _report(h: Any, final_line_shown: bool) -> None:
         print(f"{shown:<{width}}  {a['dtype']}[{h.rows},{','.join(map(str, a['shape']))}]")
     if h.resumed_at >= h.batches:  # every batch asked for was there already
         print(
-            f"{h.store} already holds {h.batches} batches ({h.rows:,} rows): nothing to compute. "
+            f"{h.store} already holds {counted(h.batches, 'batch')} "
+            f"({counted(h.rows, 'row', ',')}): nothing to compute. "
             f"A larger --batches adds batches after them; --overwrite starts again."
         )
         return

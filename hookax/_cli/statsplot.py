@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 
+from .._util.words import counted
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -53,5 +55,8 @@ def run(args: argparse.Namespace) -> None:
     for stat in stats:
         lines = series(events, stat, args.where)
         steps = sorted({s for steps, _ in lines.values() for s in steps})
-        print(f"{stat}: {len(lines)} call sites, steps {steps[0]}..{steps[-1]} ({len(steps)})")
+        print(
+            f"{stat}: {counted(len(lines), 'call site')}, "
+            f"steps {steps[0]}..{steps[-1]} ({len(steps)})"
+        )
     print(f"wrote {args.out}")

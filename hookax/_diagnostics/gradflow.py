@@ -21,6 +21,8 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .._util.words import counted
+
 if TYPE_CHECKING:
     from .._engine.select import Where
 
@@ -98,7 +100,8 @@ class GradFlow:
             out = self.outputs.get(key)
             mean, top = self.params.get(key, (None, None))
             rows.append((key or "(model)", *(_g(v) for v in (out, mean, top))))
-        title = f"Gradient flow: {len(self.outputs)} call sites, {len(self.params)} with parameters"
+        sites = counted(len(self.outputs), "call site")
+        title = f"Gradient flow: {sites}, {len(self.params)} with parameters"
         heads = ("Layer", "‖∂loss/∂output‖₂", "mean |∂loss/∂params|", "max |∂loss/∂params|")
         return Grid(title, heads, rows, numeric=frozenset({1, 2, 3}), styles={0: "cyan"})
 
@@ -112,7 +115,7 @@ class GradFlow:
         norms = [v for v in self.outputs.values() if math.isfinite(v)]
         span = f"; ‖∂loss/∂output‖₂ {_g(min(norms))} to {_g(max(norms))}" if norms else ""
         return (
-            f"<hx.GradFlow: {len(self.outputs)} call sites, {len(self.params)} with "
+            f"<hx.GradFlow: {counted(len(self.outputs), 'call site')}, {len(self.params)} with "
             f"parameters{span}>"
         )
 

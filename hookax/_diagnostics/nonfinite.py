@@ -24,6 +24,7 @@ from .._engine.select import Where
 from .._patching import compiled
 from .._util import nnxsplit
 from .._util.errors import HookaxError
+from .._util.words import counted
 from ..frameworks._functions import as_program
 from . import stats as _stats
 
@@ -90,7 +91,7 @@ class Nonfinite:
             )
         return (
             f"backward: every selected call site's gradient is finite, the gradient of "
-            f"parameter {site} is not ({self.count} values)"
+            f"parameter {site} is not ({counted(self.count, 'value')})"
         )
 
     def __repr__(self) -> str:

@@ -7,6 +7,8 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+from .._util.words import counted
+
 __all__ = ["Profile", "ProfileRow"]
 
 
@@ -172,7 +174,7 @@ class Profile:
         return self.grid().text(terminal_width())
 
     def __repr__(self) -> str:
-        return f"<hx.Profile: {len(self.rows)} call sites, step {self.step_ms:.3f} ms>"
+        return f"<hx.Profile: {counted(len(self.rows), 'call site')}, step {self.step_ms:.3f} ms>"
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython's text
         p.text(str(self))

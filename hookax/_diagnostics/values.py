@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .._util.words import counted
+
 __all__ = ["ValueRow", "Values", "show"]
 
 
@@ -61,7 +63,7 @@ class Values:
         return self.grid().text(terminal_width())
 
     def __repr__(self) -> str:
-        return f"<hx.Values: {len(self.rows)} arrays>"
+        return f"<hx.Values: {counted(len(self.rows), 'array')}>"
 
     def __rich__(self) -> Any:
         return self.grid()

@@ -22,6 +22,7 @@ from typing import Any
 import jax
 
 from .._util.jaxcompat import core as _jax_core
+from .._util.words import counted
 from .plugins import Slot
 
 __all__ = ["ACTIVE", "Context", "Frame", "active_entries", "call_stack", "path_str"]
@@ -139,7 +140,7 @@ class _Registry:
         return self._hash
 
     def __repr__(self) -> str:
-        return f"<hookax: hooks registered on {len(self.held)} modules>"
+        return f"<hookax: hooks registered on {counted(len(self.held), 'module')}>"
 
 
 def set_registered(module: Any, hooks: Any) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import jax
+
 from .._util import errors as _errors
 from . import context as _context
 from .plugins import Slot
@@ -89,6 +91,8 @@ def call(
         return _run(frame, fn, args, kwargs)
     except BaseException as e:
         _errors.add_note(e, f"hookax: raised in {_describe(frame)}")
+        if parent is None and adapter.name == "equinox" and isinstance(e, TypeError | ValueError):
+            _batch_hint(e, fn, module, args, kwargs)
         raise
     finally:
         # Break frame -> context -> orig_method -> frame, so the call site's module, arguments and
@@ -193,3 +197,34 @@ def _link(
             raise
 
     return next_fun
+
+
+def _batch_hint(e: BaseException, fn: Any, module: Any, args: tuple, kwargs: dict) -> None:
+    """An Equinox model called on a batch while hookax is active: say ``jax.vmap(model)`` when
+    the same call on one example (each array argument without its leading axis) fits."""
+    if not _active.value:
+        return
+    leaves = [x for x in jax.tree.leaves(args) if hasattr(x, "shape") and hasattr(x, "dtype")]
+    if not leaves or any(len(x.shape) == 0 for x in leaves):
+        return
+    sizes = {x.shape[0] for x in leaves}
+    if len(sizes) != 1:
+        return
+
+    def one(x: Any) -> Any:
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+        return x
+
+    try:
+        with _context.ACTIVE(()):  # hookax idle: no hook or capture sees this check
+            jax.eval_shape(lambda a: fn(module, *a, **kwargs), jax.tree.map(one, args))
+    except Exception:
+        return
+    name = type(module).__name__
+    e.add_note(
+        f"hookax: {name} fits one example, and its input has one more (leading) axis of size "
+        f"{sizes.pop()}: an Equinox model takes one example at a time. Fix: map it over the "
+        "batch, jax.vmap(model)(x); with hookax, hx.capture(lambda x: jax.vmap(model)(x))(x) "
+        "or hx.summary(lambda m, x: jax.vmap(m)(x), model, x)."
+    )

@@ -128,13 +128,28 @@ def check_glob(pattern: str) -> None:
       ...
       hookax._util.errors.SelectorError: malformed path glob 'layers/[': ...
     """
+    if pattern and _BARE_SUFFIX.search(pattern):
+        raise _bare_suffix(pattern)
     if pattern and _GLOB_BAD.search(pattern):
         raise SelectorError(
             f"malformed path glob {pattern!r}: hookax globs use '/' between path segments, '*' "
             "for any part of one segment and '**' as a whole segment for any number of them; "
-            "'[', ']', '?', '{', '}', '!', '***' and empty segments are not allowed. Fix: e.g. "
+            "'[', ']', '?', '{', '}', '!', '***' and empty segments are not allowed (a layer "
+            "suffix at the end, 'blocks/attn[3]', is the one use of brackets). Fix: e.g. "
             "'layers/*/attn', '**/mlp' or 'layers/0'."
         )
+
+
+def _bare_suffix(pattern: str) -> SelectorError:
+    return SelectorError(
+        f"malformed path glob {pattern!r}: a layer suffix follows the path of a call site "
+        "inside a scan, with no '/' before the bracket. Fix: name the call site first, "
+        "e.g. 'blocks[1]', 'blocks/attn[1,3]', or '*[2:5]' for any top-level call site."
+    )
+
+
+# A layer suffix with no call site before it: ``"[1]"``, ``"blocks/[1,3]"``.
+_BARE_SUFFIX = re.compile(r"(^|/)\[[^\[\]]*\]$")
 
 
 _LAYERS = re.compile(r"^(.*[^\]])\[([^\[\]]*)\]$")
@@ -171,6 +186,8 @@ def split_layers(pattern: str) -> tuple[str, frozenset[int] | None]:
     if m is None:
         return pattern, None
     glob, spec = m.group(1), m.group(2)
+    if glob.endswith("/"):
+        raise _bare_suffix(pattern)
     picked: set[int] = set()
     for part in spec.split(","):
         part = part.strip()
@@ -178,7 +195,8 @@ def split_layers(pattern: str) -> tuple[str, frozenset[int] | None]:
         if not part or len(bounds) > 2 or not all(b.strip().isdigit() for b in bounds):
             raise SelectorError(
                 f"malformed layer suffix in {pattern!r}: write one layer of a scanned stack as "
-                "'blocks/attn[3]', several as '[1,3]' or a range as '[2:5]' (end excluded)."
+                "'blocks/attn[3]', several as 'blocks/attn[1,3]' or a range as 'blocks/attn[2:5]' "
+                "(end excluded)."
             )
         lo = int(bounds[0])
         hi = int(bounds[1]) if len(bounds) == 2 else lo + 1

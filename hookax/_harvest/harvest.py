@@ -19,6 +19,7 @@ from typing import Any
 from .._capture.capture import _DEFAULT, validate_while_steps, where_and_ops
 from .._engine.select import Where
 from .._util.errors import HookaxError
+from .._util.words import counted
 from ..frameworks._functions import as_program
 
 __all__ = ["Harvest", "harvest"]
@@ -59,7 +60,8 @@ class Harvest:
         rate = self.bytes / 1e6 / max(self.seconds, 1e-9)
         resumed = f", resumed at batch {self.resumed_at}" if self.resumed_at else ""
         return (
-            f"{self.batches} batches, {self.rows:,} rows, {self.bytes / 1e6:.1f} MB in "
+            f"{counted(self.batches, 'batch')}, {counted(self.rows, 'row', ',')}, "
+            f"{self.bytes / 1e6:.1f} MB in "
             f"{self.seconds:.1f} s ({rate:.3g} MB/s{resumed})"
         )
 
@@ -67,7 +69,8 @@ class Harvest:
         return f"harvest: {self.describe()} -> {self.store}"
 
     def __repr__(self) -> str:
-        return f"<hx.Harvest {str(self.store)!r}: {self.describe()}; {len(self.names)} arrays>"
+        arrays = counted(len(self.names), "array")
+        return f"<hx.Harvest {str(self.store)!r}: {self.describe()}; {arrays}>"
 
     def read(self, name: str) -> Any:
         """The rows stored for ``name``, as a numpy array ``(rows, *per-row shape)``."""

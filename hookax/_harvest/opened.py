@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from .._util.errors import HookaxError
+from .._util.words import counted
 
 __all__ = ["ActivationStore", "open_store"]
 
@@ -90,7 +91,8 @@ class ActivationStore:
     def __repr__(self) -> str:
         state = "" if self.complete else ", being written or interrupted"
         n = len(self.names)
-        return f"ActivationStore({str(self.path)!r}, {n} arrays, {self.rows} rows{state})"
+        size = f"{counted(n, 'array')}, {counted(self.rows, 'row')}"
+        return f"ActivationStore({str(self.path)!r}, {size}{state})"
 
 
 def open_store(path: str | Path) -> ActivationStore:

@@ -8,6 +8,8 @@ import sys
 import time
 from typing import Any
 
+from .._util.words import counted
+
 __all__ = ["Progress", "shown"]
 
 _EVERY = 0.2  # seconds between two rewrites of a notebook's line
@@ -66,9 +68,11 @@ class Progress:
             bar = "█" * round(20 * share) + "·" * (20 - round(20 * share))
             text = f"harvest: {bar} {100 * share:3.0f}% batch {batches}/{self.total}"
             left = self._left(batches)
-            text += f", {rows:,} rows, {mbs:.1f} MB/s" + (f", {left} left" if left else "")
+            text += f", {counted(rows, 'row', ',')}, {mbs:.1f} MB/s" + (
+                f", {left} left" if left else ""
+            )
         else:
-            text += f", {rows:,} rows, {mbs:.1f} MB/s"
+            text += f", {counted(rows, 'row', ',')}, {mbs:.1f} MB/s"
         self.stream.write("\r" + text.ljust(getattr(self, "_width", 0)))
         self._width = len(text)
         self.stream.flush()

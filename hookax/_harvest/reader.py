@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from .._util.errors import HookaxError
+from .._util.words import counted
 from .opened import ActivationStore, open_store
 
 __all__ = ["StoreReader"]
@@ -309,8 +310,9 @@ class StoreReader:
         if not s.complete:
             raise HookaxError(
                 f"hx.StoreReader: the store {str(s.path)!r} is being written, or its harvest "
-                f"was interrupted ({s.batches} batches committed, not complete). Fix: let the "
-                f"harvest finish, or run it again to resume and complete it; then read it."
+                f"was interrupted ({counted(s.batches, 'batch')} committed, not complete). "
+                "Fix: let the harvest finish, or run it again to resume and complete it; then "
+                "read it."
             )
         missing = [n for n in self.names if n not in s.names]
         if missing or not self.names:
@@ -321,7 +323,8 @@ class StoreReader:
         if batch_size < 1 or batch_size > s.rows:
             raise HookaxError(
                 f"hx.StoreReader: batch_size={batch_size} but the store {str(s.path)!r} holds "
-                f"{s.rows} rows. Fix: a batch_size from 1 to {s.rows}, or harvest more batches."
+                f"{counted(s.rows, 'row')}. Fix: a batch_size from 1 to {s.rows}, or harvest "
+                "more batches."
             )
         if epochs is not None and epochs < 1:
             raise HookaxError(f"hx.StoreReader: epochs must be >= 1 or None, got {epochs}")
@@ -514,5 +517,6 @@ class StoreReader:
     def __repr__(self) -> str:
         return (
             f"StoreReader({str(self.store.path)!r}, {list(self.names)}, batch_size="
-            f"{self.batch_size}, seed={self.seed}, {self.steps_per_epoch} batches an epoch)"
+            f"{self.batch_size}, seed={self.seed}, "
+            f"{counted(self.steps_per_epoch, 'batch')} an epoch)"
         )

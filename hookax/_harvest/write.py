@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from .._util.errors import HookaxError
+from .._util.words import counted
 from .faults import fault, is_fault
 
 __all__ = ["Writer", "start_transfers"]
@@ -171,8 +172,9 @@ class Writer:
             raise HookaxError(
                 f"hx.harvest: writing batch {index} to the store {str(self.store.path)!r} "
                 f"failed: {type(e).__name__}: {e}. The store is valid: it holds the "
-                f"{self.committed} batches committed before ({self.rows} rows); the rows of "
-                f"batch {index} are not committed. Fix the cause, then run again with the same "
+                f"{counted(self.committed, 'batch')} committed before "
+                f"({counted(self.rows, 'row')}); the rows of batch {index} are not committed. "
+                "Fix the cause, then run again with the same "
                 f"arguments: it resumes at batch {self.committed}."
             ) from e
         self.busy += time.perf_counter() - t0

@@ -79,9 +79,15 @@ def _kind(address: str) -> str:
 
 class Names(Mapping[str, Name]):
     """A table of names (``names["pattern"]``, ``names.pattern``), built by
-    [`hx.names`][hookax.names]."""
+    [`hx.names`][hookax.names]. ``n_heads``: the model's number of heads, where known (heads
+    grids check their head axis against it)."""
 
-    def __init__(self, table: Mapping[str, Any]) -> None:
+    def __init__(self, table: Mapping[str, Any], n_heads: int | None = None) -> None:
+        if n_heads is not None and (
+            isinstance(n_heads, bool) or not isinstance(n_heads, int) or n_heads < 1
+        ):
+            raise HookaxError(f"hx.names: n_heads= takes a positive int or None, got {n_heads!r}.")
+        self.n_heads = n_heads
         self._table: dict[str, Name] = {}
         for key, entry in table.items():
             if isinstance(entry, Name):
@@ -126,7 +132,8 @@ class Names(Mapping[str, Name]):
         return "hx.names({\n" + ",\n".join(rows) + "\n})"
 
     def __or__(self, other: Mapping[str, Any]) -> Names:
-        return Names({**self._table, **other})
+        n_heads = getattr(other, "n_heads", None) or self.n_heads
+        return Names({**self._table, **other}, n_heads=n_heads)
 
     def act(self, name: str, layer: int | None = None) -> Name:
         """The address of ``name`` at ``layer`` (TransformerLens' ``get_act_name("z", 1)``);
@@ -235,6 +242,7 @@ def transformer_names(
     embed: str | None = "embed",
     pos_embed: str | None = None,
     final_norm: str | None = "ln_f",
+    n_heads: int | None = None,
 ) -> Names:
     """TransformerLens' hook names for a transformer whose blocks hold an attention module of
     a library, with the axes of each value named.
@@ -250,7 +258,10 @@ def transformer_names(
     query, key)``, ``z`` ``(head, pos, d_head)``. ``None`` for attention of your own (add its
     names with ``|``). Every layout has ``embed``, ``pos_embed``, ``resid_pre`` (a block's
     input), ``resid_post``, ``attn_out``, ``mlp_out`` and ``ln_final`` (the final norm's
-    output).
+    output). ``n_heads``, the model's number of heads, makes every heads grid of these names
+    (``hx.patch_head_every``) check that its head axis has that size: an operation whose
+    value holds the heads on another axis, or lumped with another, raises instead of giving a
+    grid of something else.
 
     Examples:
       >>> import hookax as hx
@@ -283,4 +294,4 @@ def transformer_names(
             )
         a = f"{blocks}/{attn}"
         table |= {k: (f"{a}{suffix}", axes) for k, (suffix, axes) in _ATTENTION[attention].items()}
-    return Names(table)
+    return Names(table, n_heads=n_heads)

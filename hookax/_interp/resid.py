@@ -7,96 +7,33 @@ block's input is its ``resid_pre``, the attention and MLP outputs are what each 
 final norm's input is the last ``resid_post``. Per-head results split the attention's output
 projection by heads from its own kernel (the projection's input times each head's rows of the
 kernel); the final norm is applied to a stack linearly, with the scale it used in the forward
-read from its own input and output. Unrolled layers (``"blocks/*"``) and a scanned stack
-(``"blocks"``, values stacked by layer) give the same views.
+read from its own input and output, or recomputed for each entry (the logit lens). What the
+named embeddings do not explain of the first block's input is a component of its own,
+``"embed_rest"`` (a positional embedding added inline), so the views add up. Unrolled layers
+(``"blocks/*"``) and a scanned stack (``"blocks"``, values stacked by layer) give the same
+views.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
-from .._capture.capture import capture
-from .._engine.select import Select, glob_to_regex, split_method
+from .._engine.select import glob_to_regex, split_method
 from .._patching.cache import stack_layers
 from .._util.errors import HookaxError
+from . import norm as _norm
+from .components import Components, as_tuple
 from .stack import Stack
-from .weights import linear_at, norm_at, unembed_at
+from .weights import Norm, linear_at, norm_at, unembed_at
 
 __all__ = ["Components", "ResidualStream"]
 
 WHO = "hx.ResidualStream"
-
-
-def _as_tuple(x: str | tuple[str, ...] | None) -> tuple[str, ...]:
-    return () if x is None else (x,) if isinstance(x, str) else tuple(x)
-
-
-@dataclasses.dataclass(frozen=True)
-class Components:
-    """Where a transformer's parts are, by call-site path (globs over layers, or a scanned
-    stack's one key).
-
-    Args:
-      attn: the attention outputs each block adds to the residual stream (``"blocks/*/attn"``).
-      mlp: the MLP outputs (``"blocks/*/mlp"``); None for an attention-only model.
-      blocks: the blocks, whose inputs are ``resid_pre`` (``"blocks/*"``); None: the stream is
-        the embeddings plus the outputs added so far.
-      embed: the embeddings whose sum starts the stream (``("embed", "pos_embed")``).
-      final_norm: the norm before the unembedding (``"ln_f"``).
-      unembed: the unembedding: a linear layer, or an embedding used tied.
-      heads: the attention's output projection (``"blocks/*/attn/out"``): a linear layer whose
-        input is the heads' outputs, concatenated (``nnx.Linear``, ``eqx.nn.Linear``,
-        ``nn.Dense``: give ``n_heads``) or on their own axis (``nnx.MultiHeadAttention``'s
-        ``out``, Linen's ``DenseGeneral``).
-      n_heads: the number of heads, for a projection of concatenated heads.
-      norm_kind: ``"layer"`` or ``"rms"`` when the final norm's type does not say (a Linen
-        LayerNorm without a bias).
-    """
-
-    attn: str
-    mlp: str | None = None
-    blocks: str | None = None
-    embed: str | tuple[str, ...] = ()
-    final_norm: str | None = None
-    unembed: str | None = None
-    heads: str | None = None
-    n_heads: int | None = None
-    norm_kind: str | None = None
-
-    def sites(self) -> tuple[str, ...]:
-        """Every call site a view reads (their outputs and inputs are captured)."""
-        names = [self.attn, self.mlp, self.blocks, self.final_norm, self.heads]
-        return tuple(n for n in [*_as_tuple(self.embed), *names] if n is not None)
-
-    def wanted(self) -> tuple[str, ...]:
-        """The captured keys (as patterns) a view uses; the rest are dropped."""
-        out = [*_as_tuple(self.embed), self.attn]
-        out += [] if self.mlp is None else [self.mlp]
-        out += [] if self.blocks is None else [f"{self.blocks}:in", self.blocks]
-        out += [] if self.final_norm is None else [f"{self.final_norm}:in", self.final_norm]
-        out += [] if self.heads is None else [f"{self.heads}:in"]
-        return tuple(out)
-
-    def capture(self, fn: Callable[..., Any]) -> Callable[..., tuple[Any, dict[str, Any]]]:
-        """``hx.capture`` of what a view needs: ``y, acts = components.capture(fn)(*args)``;
-        ``hx.ResidualStream(acts, components, weights)`` is the view."""
-        forward = capture(fn, where=Select(paths=self.sites()), inputs=True)
-        wanted = [(glob_to_regex(split_method(w)[0]), split_method(w)[1]) for w in self.wanted()]
-
-        def run(*args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-            y, acts = forward(*args, **kwargs)
-            keep = {}
-            for key, values in acts.items():
-                path, method = split_method(key)
-                if any(rx.fullmatch(path) and m == method for rx, m in wanted):
-                    keep[key] = values
-            return y, keep
-
-        return run
 
 
 def _first(values: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -113,6 +50,11 @@ def _get(acts: Mapping[str, tuple[Any, ...]], key: str) -> Any:
             f"components, y, acts = components.capture(fn)(*args)."
         )
     return acts[key][0]
+
+
+def _known(x: Any) -> bool:
+    """Whether ``x``'s values are known now (not traced by a transform)."""
+    return not isinstance(x, jax.core.Tracer)
 
 
 def _at_pos(x: Any, pos: Any) -> Any:
@@ -135,7 +77,9 @@ class ResidualStream:
     Labels follow TransformerLens: ``"0_pre"``, ``"0_mid"``, ``"final_post"`` (accumulated),
     the embeddings' keys, ``"0_attn_out"``, ``"0_mlp_out"`` (decomposed), ``"L0H1"`` (heads),
     ``"bias"`` (what the attention outputs hold besides their heads' results: the output
-    projection's bias).
+    projection's bias). ``"embed_rest"`` follows the embeddings: what they do not explain of
+    the first block's input (a positional embedding added inline, not by a module call; see
+    ``Components.embed_rest``).
     """
 
     def __init__(self, acts: Mapping[str, tuple[Any, ...]], components: Components, weights: Any):
@@ -146,7 +90,7 @@ class ResidualStream:
         self.attn = stack_layers(acts, c.attn)
         self.n_layers = int(self.attn.shape[0])
         self.mlp = None if c.mlp is None else stack_layers(acts, c.mlp)
-        self.embeds = [(k, _get(acts, k)) for k in _as_tuple(c.embed)]
+        self.embeds = [(k, _get(acts, k)) for k in as_tuple(c.embed)]
         out = self.attn + (0 if self.mlp is None else self.mlp)
         if c.blocks is not None:
             self.pre = stack_layers(acts, f"{c.blocks}:in")
@@ -162,6 +106,31 @@ class ResidualStream:
             self.final = _get(acts, f"{c.final_norm}:in")
         else:
             self.final = self.pre[-1] + out[-1]
+        self.rest = self._embed_rest()
+
+    def _embed_rest(self) -> Any:
+        """The first block's input less the named embeddings, where the views carry it."""
+        c = self.components
+        if c.blocks is None or not self.embeds:
+            return None
+        if c.embed_rest is False and not _known(self.pre):
+            return None
+        rest = self.pre[0] - self._embed_sum()
+        if c.embed_rest is True or not _known(rest):
+            return rest
+        gap = float(jnp.abs(rest).max())
+        if gap <= 1e-6 * float(jnp.abs(self.pre[0]).max()):
+            return None
+        if c.embed_rest is False:
+            keys = ", ".join(repr(k) for k, _ in self.embeds)
+            raise HookaxError(
+                f"{WHO}: the embeddings {keys} do not make up the input of {c.blocks!r}'s first "
+                f"block (it differs from their sum by up to {gap:.3g}: a positional embedding "
+                f"added inline?), so the decompositions would not add up. Fix: name the "
+                f"missing embedding in Components(embed=...), or leave embed_rest=None to "
+                f"carry it as 'embed_rest'."
+            )
+        return rest
 
     def _embed_sum(self) -> Any:
         total = self.embeds[0][1]
@@ -192,12 +161,22 @@ class ResidualStream:
         *,
         incl_mid: bool = False,
         apply_ln: bool = False,
+        frozen_ln: bool = False,
         pos: Any = None,
     ) -> Stack:
         """The stream before each block up to ``layer`` (``None``: every block and the final
         stream, ``"final_post"``), as TransformerLens' ``accumulated_resid``: ``[layer + 1,
-        ...]``; ``incl_mid`` adds the stream after each attention; ``apply_ln`` applies the
-        final norm with its scale frozen (the logit lens, linearly)."""
+        ...]``; ``incl_mid`` adds the stream after each attention.
+
+        ``apply_ln`` applies the final norm to each entry with that entry's own statistics, as
+        the model would to that stream (the logit lens; TransformerLens 3.9's ``apply_ln=True``),
+        the norm's weight and bias included. ``frozen_ln`` applies it linearly instead, with the
+        scale of the forward's final stream frozen, as `apply_ln_to_stack`."""
+        if apply_ln and frozen_ln:
+            raise HookaxError(
+                f"{WHO}: apply_ln=True recomputes the final norm for each entry, frozen_ln=True "
+                f"freezes the forward's scale; give one of them."
+            )
         top = self._layer(layer)
         values, labels = [], []
         for i in range(top + 1):
@@ -210,7 +189,11 @@ class ResidualStream:
             if incl_mid and i < top:
                 values.append(self.resid_mid(i))
                 labels.append(f"{i}_mid")
-        return self._finish(values, labels, apply_ln, pos)
+        if not apply_ln:
+            return self._finish(values, labels, frozen_ln, pos)
+        out = self._finish(values, labels, False, pos)
+        path = self.components.final_norm or ""
+        return Stack(_norm.recomputed(self._final_norm(), out.values, path, WHO), out.labels)
 
     def decompose_resid(
         self,
@@ -223,15 +206,14 @@ class ResidualStream:
     ) -> Stack:
         """What the stream before ``layer`` is made of: the embeddings, then each block's
         attention and MLP outputs (``mode``: ``"all"``, ``"attn"``, ``"mlp"``), as
-        TransformerLens' ``decompose_resid``; the components add up to ``resid_pre(layer)``."""
+        TransformerLens' ``decompose_resid``; the components add up to ``resid_pre(layer)``
+        (``"embed_rest"`` follows the embeddings where they do not make up the stream's start).
+        ``apply_ln`` applies the final norm with the forward's scale frozen, as
+        `apply_ln_to_stack`."""
         if mode not in ("all", "attn", "mlp"):
             raise HookaxError(f"{WHO}: mode= takes 'all', 'attn' or 'mlp', got {mode!r}.")
         top = self._layer(layer)
-        values, labels = [], []
-        if incl_embeds:
-            for key, v in self.embeds:
-                values.append(jnp.broadcast_to(v, self.final.shape))
-                labels.append(key)
+        values, labels = self._embed_parts() if incl_embeds else ([], [])
         for i in range(top):
             if mode != "mlp":
                 values.append(self.attn[i])
@@ -300,9 +282,10 @@ class ResidualStream:
         self, layer: int | None = None, *, apply_ln: bool = False, pos: Any = None
     ) -> Stack:
         """The stream before ``layer`` as every head's result, every MLP output, the
-        embeddings and ``"bias"`` (the attention outputs' parts outside their heads: the output
-        projections' biases), as TransformerLens' ``get_full_resid_decomposition`` with
-        ``expand_neurons=False``; the components add up to ``resid_pre(layer)``."""
+        embeddings (and ``"embed_rest"``) and ``"bias"`` (the attention outputs' parts outside
+        their heads: the output projections' biases), as TransformerLens'
+        ``get_full_resid_decomposition`` with ``expand_neurons=False``; the components add up
+        to ``resid_pre(layer)``."""
         top = self._layer(layer)
         res = self.head_results()[:top]
         values = list(res.reshape(-1, *res.shape[2:]))
@@ -310,31 +293,39 @@ class ResidualStream:
         if self.mlp is not None:
             values += list(self.mlp[:top])
             labels += [f"{i}_mlp_out" for i in range(top)]
-        for key, v in self.embeds:
-            values.append(jnp.broadcast_to(v, self.final.shape))
-            labels.append(key)
+        parts, names = self._embed_parts()
+        values += parts
+        labels += names
         values.append((self.attn[:top] - res.sum(1)).sum(0))
         labels.append("bias")
         return self._finish(values, labels, apply_ln, pos)
 
+    def _embed_parts(self) -> tuple[list[Any], list[str]]:
+        """The named embeddings and ``"embed_rest"`` (where carried), at the stream's shape."""
+        values = [jnp.broadcast_to(v, self.final.shape) for _, v in self.embeds]
+        labels = [key for key, _ in self.embeds]
+        if self.rest is not None:
+            values.append(self.rest)
+            labels.append("embed_rest")
+        return values, labels
+
     # --- the final norm and the unembedding ---------------------------------------------------
+
+    def _final_norm(self) -> Norm:
+        c = self.components
+        if c.final_norm is None:
+            raise HookaxError(f"{WHO}: the final norm is unknown: Components(final_norm='ln_f').")
+        norm = norm_at(self.weights, c.final_norm, WHO, c.norm_kind)
+        return norm if c.norm_eps is None else dataclasses.replace(norm, eps=c.norm_eps)
 
     def norm_scale(self) -> Any:
         """The final norm's scale in the forward (``sqrt(var + eps)`` of a LayerNorm, the RMS
         of an RMSNorm), per position: ``(..., position, 1)``. Read from the norm's own input
         and output, so its epsilon convention does not matter."""
-        c = self.components
-        if c.final_norm is None:
-            raise HookaxError(f"{WHO}: the final norm is unknown: Components(final_norm='ln_f').")
-        norm = norm_at(self.weights, c.final_norm, WHO, c.norm_kind)
-        x = self.final
-        y = _get(self.acts, c.final_norm)
-        if norm.centered:
-            x = x - x.mean(-1, keepdims=True)
-        u = x if norm.scale is None else x * norm.scale
-        if norm.bias is not None:
-            y = y - norm.bias
-        return (u * u).sum(-1, keepdims=True) / (u * y).sum(-1, keepdims=True)
+        norm = self._final_norm()
+        return _norm.forward_scale(
+            norm, self.final, _get(self.acts, f"{self.components.final_norm}")
+        )
 
     def apply_ln_to_stack(
         self, stack: Stack | Any, *, pos: Any = None, weight: bool = True
@@ -346,14 +337,8 @@ class ResidualStream:
         add up to the norm's output less its bias. ``pos`` is the positions the stack was
         sliced at."""
         values = stack.values if isinstance(stack, Stack) else stack
-        norm = norm_at(
-            self.weights, self.components.final_norm or "", WHO, self.components.norm_kind
-        )
-        if norm.centered:
-            values = values - values.mean(-1, keepdims=True)
-        values = values / _at_pos(self.norm_scale(), pos)
-        if weight and norm.scale is not None:
-            values = values * norm.scale
+        scale = _at_pos(self.norm_scale(), pos)
+        values = _norm.frozen(self._final_norm(), values, scale, weight=weight)
         return Stack(values, stack.labels) if isinstance(stack, Stack) else values
 
     def unembed_directions(self, tokens: Any) -> Any:

@@ -22,6 +22,7 @@ from .._capture.capture import capture
 from .._engine.select import Select
 from .._patching import compiled
 from .._patching.grid import patch_grid
+from .._patching.heads import head_size_error
 from .._patching.labelled import LabelledArray, Unpatched
 from .._util.errors import HookaxError
 from .inputs import input_grid
@@ -150,6 +151,9 @@ def patch_head_every(
         if name.kind == "input":
             sites = [str(r).rpartition(":")[0] for r in rows]
             n_heads = _n_heads(fn, corrupt_args, sites[0], heads)
+            if names.n_heads is not None and n_heads != names.n_heads:
+                shape = tuple(_input_spec(fn, corrupt_args, sites[0]).shape)
+                raise head_size_error(who, str(rows[0]), shape, heads, names.n_heads)
             n_pos = None if positions is None else _size(fn, corrupt_args, sites[0], axis)
             grid = input_grid(
                 fn,
@@ -174,6 +178,7 @@ def patch_head_every(
                 positions=positions,
                 axis=axis,
                 chunk_size=chunk_size,
+                n_heads=names.n_heads,
             )
             unpatched = grid.unpatched if unpatched is None else unpatched
         out.append(grid if positions is None else jnp.swapaxes(grid, 1, 2))

@@ -82,17 +82,20 @@ def linear_at(root: Any, path: str, who: str) -> Linear:
 
 @dataclasses.dataclass(frozen=True)
 class Norm:
-    """A norm's learned affine part and whether it centers (LayerNorm) or not (RMSNorm)."""
+    """A norm's learned affine part, whether it centers (LayerNorm) or not (RMSNorm), and its
+    epsilon where the module holds one (``None``: Linen's variables, which do not)."""
 
     scale: Any
     bias: Any
     centered: bool
+    eps: float | None = None
 
 
 def norm_at(root: Any, path: str, who: str, kind: str | None = None) -> Norm:
     """The scale, bias and kind of the norm at ``path``: ``nnx.LayerNorm``/``RMSNorm``,
     ``eqx.nn.LayerNorm``/``RMSNorm``, Linen ``nn.LayerNorm``/``RMSNorm`` (a Linen norm with a
-    bias is a LayerNorm, one without an RMSNorm, unless ``kind`` says)."""
+    bias is a LayerNorm, one without an RMSNorm, unless ``kind`` says). The epsilon is the
+    module's ``epsilon`` (NNX) or ``eps`` (Equinox); Linen's variables hold none."""
     m = module_at(root, path, who)
     if isinstance(m, Mapping):
         if "scale" in m or "bias" in m:
@@ -106,7 +109,9 @@ def norm_at(root: Any, path: str, who: str, kind: str | None = None) -> Norm:
             kind = "layer"
         if kind is not None:
             scale = getattr(m, "scale", getattr(m, "weight", None))
-            return Norm(_value(scale), _value(getattr(m, "bias", None)), kind == "layer")
+            eps = getattr(m, "epsilon", getattr(m, "eps", None))
+            eps = float(eps) if isinstance(eps, int | float) else None
+            return Norm(_value(scale), _value(getattr(m, "bias", None)), kind == "layer", eps)
     raise HookaxError(
         f"{who}: {path!r} is a {type(m).__name__}, not a norm whose scale can be read "
         f"(LayerNorm or RMSNorm of NNX, Linen or Equinox). Fix: name the final norm, or pass "

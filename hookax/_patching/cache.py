@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from .._engine.select import check_glob, glob_to_regex
-from .._util.errors import SelectorError
+from .._util.errors import HookaxError, SelectorError
 from .labelled import LabelledArray
 from .patch import PatchError
 
@@ -80,14 +80,33 @@ def _stack(where: str, values: Any) -> jax.Array:
     return jnp.stack(list(values))
 
 
-def _missing(where: str, acts: Mapping[str, Any]) -> None:
+def _missing(where: str, acts: Mapping[str, Any], call: str = "hx.stack_layers(acts, ") -> None:
     keys = list(acts)
     near = difflib.get_close_matches(where, keys, n=6, cutoff=0.0) or keys[:6]
-    raise SelectorError(
-        f"hx.stack_layers: where={where!r} matched no captured key; the keys include "
-        f"{', '.join(repr(k) for k in near)}. Fix: capture the layers with hx.capture(fn, "
-        f"where={where!r}) and pass its dict."
+    found = f"where={where!r} matched no captured key; the keys include " + ", ".join(
+        repr(k) for k in near
     )
+    layers = _layer_globs(keys)
+    if layers:
+        glob, n = layers[0]
+        fix = f"pass where= naming the layers these keys hold: {call}where={glob!r}) ({n} layers)"
+    else:
+        fix = f"capture the layers with hx.capture(fn, where={where!r}) and pass its dict"
+    raise SelectorError(f"{call.split('(')[0]}: {found}. Fix: {fix}.")
+
+
+def _layer_globs(keys: list[str]) -> list[tuple[str, int]]:
+    """Globs of ``keys`` with one numbered segment, the most layers first:
+    ``[("blocks/*", 4)]`` for ``blocks/0`` ... ``blocks/3``."""
+    counts: dict[str, int] = {}
+    for k in keys:
+        path, colon, method = k.partition(":")
+        segs = path.split("/")
+        for i, seg in enumerate(segs):
+            if seg.isdigit():
+                glob = "/".join([*segs[:i], "*", *segs[i + 1 :]]) + colon + method
+                counts[glob] = counts.get(glob, 0) + 1
+    return sorted(((g, n) for g, n in counts.items() if n > 1), key=lambda gn: -gn[1])
 
 
 def logit_lens(
@@ -115,8 +134,32 @@ def logit_lens(
       Array([[2.],
              [4.]], dtype=float32)
     """
-    values = jax.vmap(readout)(stack_layers(acts, where))
+    if isinstance(readout, Mapping) and callable(acts):
+        raise _ArgumentOrder(
+            "hx.logit_lens(readout, acts, where): the first argument is a dict of captured "
+            f"values and the second a {type(acts).__name__}; the readout comes first. Fix: "
+            "hx.logit_lens(readout, acts)."
+        )
+    if not isinstance(acts, Mapping):
+        raise _ArgumentOrder(
+            f"hx.logit_lens(readout, acts, where): acts is a {type(acts).__name__}, not the dict "
+            "hx.capture returns. Fix: y, acts = hx.capture(fn, where=...)(x); "
+            "hx.logit_lens(readout, acts)."
+        )
+    try:
+        stacked = stack_layers(acts, where)
+    except SelectorError as e:
+        if not str(e).startswith("hx.stack_layers: where="):
+            raise
+        stacked = None
+    if stacked is None:
+        _missing(where, acts, "hx.logit_lens(readout, acts, ")
+    values = jax.vmap(readout)(stacked)
     return LabelledArray(values, ("layer",), (_layer_names(acts, where),), title="readout")
+
+
+class _ArgumentOrder(HookaxError, TypeError):
+    """Arguments of the wrong kinds, in the wrong order."""
 
 
 def _layer_names(acts: Mapping[str, tuple[Any, ...]], where: str) -> list[str]:

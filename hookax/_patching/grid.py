@@ -197,6 +197,7 @@ class Plan:
         axis: int,
         ops: Any = None,
         heads: Any = None,
+        n_heads: int | None = None,
     ) -> None:
         for name, f in (("fn", fn), ("metric", metric)):
             if not callable(f):
@@ -229,7 +230,7 @@ class Plan:
         self.heads = heads
         self.n_heads = None
         if heads is not None:
-            self.n_heads = check_heads(heads, self.shapes, axis, self.cols, who)
+            self.n_heads = check_heads(heads, self.shapes, axis, self.cols, who, n_heads)
         self.clean_dyn, self.clean_rest = compiled.split((fn, clean_args))
         self.mdyn, self.metric = compiled.split(metric, ints=True)
 
@@ -377,6 +378,7 @@ def patch_grid(
     positions: Any = "each",
     axis: int = 1,
     chunk_size: int | None = None,
+    n_heads: int | None = None,
 ) -> LabelledArray:
     """The metric of the corrupted run with each target patched from the clean run, as a grid.
 
@@ -421,6 +423,10 @@ def patch_grid(
       chunk_size: the most patches per target one program call runs; default a whole row
         (on CPU, rows cut evenly into chunks of at most 512 KiB of the targets' values, at
         least 8 patches: smaller batches stay in cache).
+      n_heads: the model's number of heads, checked against the ``heads=`` axis of every
+        target: an axis of another size (heads on another axis of that operation, or lumped
+        with another, as in grouped-query attention) raises instead of giving a grid of
+        something else than heads.
 
     Returns:
       A [`hx.LabelledArray`][hookax.LabelledArray] ``[n_targets, n_columns, *metric's
@@ -434,8 +440,8 @@ def patch_grid(
     Raises:
       SelectorError: a ``where=`` or ``ops=`` entry matched nothing (the message lists what
         ran).
-      PatchError: a target whose value is not an array, positions that do not fit it, or a
-        ``heads=`` axis out of range for it.
+      PatchError: a target whose value is not an array, positions that do not fit it, a
+        ``heads=`` axis out of range for it, or of another size than ``n_heads``.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -463,7 +469,9 @@ def patch_grid(
         raise PatchError(f"{WHO}: chunk_size= takes a positive int or None, got {chunk_size!r}.")
 
     def run() -> LabelledArray:
-        plan = Plan(WHO, fn, clean_args, corrupt_args, metric, where, positions, axis, ops, heads)
+        plan = Plan(
+            WHO, fn, clean_args, corrupt_args, metric, where, positions, axis, ops, heads, n_heads
+        )
         return plan.labelled(plan.grid(chunk_size), title="patched metric")
 
     return compiled.retrying(WHO, (fn, metric), run)

@@ -21,6 +21,7 @@ from .._capture.ops import intercept_op, parse_ops
 from .._engine import context as _context
 from .._engine.select import glob_to_regex, split_layers, split_method
 from .._util.errors import SelectorError
+from .._util.words import counted
 from . import compiled
 from .patch import PatchError, per_example, position_mask
 
@@ -127,14 +128,23 @@ def _check_unstacked(key: str, spec: Any, per_call: dict[str, Any], who: str) ->
         n = spec.shape[0]
         rows = f"{plain}[0:{n}]{':' + method if method else ''}:{op}"
         raise PatchError(
-            f"{who}: operation {key!r} runs inside a scan over layers ({n} layers of shape "
+            f"{who}: operation {key!r} runs inside a scan over layers "
+            f"({counted(n, 'layer')} of shape "
             f"{tuple(one)}); a grid patches one layer per row. Fix: ops={rows!r} (one row per "
             f"layer), or a layer suffix naming some of them."
         )
 
 
-def check_heads(heads: Any, shapes: dict[str, Any], axis: int, positions: Any, who: str) -> int:
-    """The number of heads along axis ``heads`` of every target; a bad axis raises."""
+def check_heads(
+    heads: Any,
+    shapes: dict[str, Any],
+    axis: int,
+    positions: Any,
+    who: str,
+    n_heads: int | None = None,
+) -> int:
+    """The number of heads along axis ``heads`` of every target; a bad axis raises, and so
+    does a head axis of another size than ``n_heads`` (where the caller knows it)."""
     if isinstance(heads, bool) or not isinstance(heads, int | np.integer):
         raise PatchError(
             f"{who}: heads= takes the head axis of the targets' values (an int), got "
@@ -156,12 +166,31 @@ def check_heads(heads: Any, shapes: dict[str, Any], axis: int, positions: Any, w
                 f"head axis; positions=None patches whole heads."
             )
         sizes[key] = spec.shape[heads % nd]
+        if n_heads is not None and sizes[key] != n_heads:
+            raise head_size_error(who, key, tuple(spec.shape), int(heads), n_heads)
     if len(set(sizes.values())) != 1:
         raise PatchError(
             f"{who}: heads={heads} needs the same number of heads in every target, got "
             f"{sizes}. Fix: one grid per kind of target."
         )
     return int(next(iter(sizes.values())))
+
+
+def head_size_error(
+    who: str, key: str, shape: tuple[int, ...], heads: int, n_heads: int
+) -> PatchError:
+    """A head axis whose size is not the model's number of heads: the heads are on another
+    axis of that value, or lumped with another axis (grouped-query attention's groups)."""
+    size = shape[heads % len(shape)]
+    other = [i for i, d in enumerate(shape) if d == n_heads and i != heads % len(shape)]
+    where = f" (axis {other[0]} has size {n_heads})" if other else ""
+    return PatchError(
+        f"{who}: target {key!r} has shape {shape}: its axis heads={heads} has size {size}, "
+        f"but the model has {n_heads} heads{where}, so this grid would patch something else "
+        f"than one head. Fix: target the value that holds the heads on that axis "
+        f"(hx.ops(model, x) lists each operation's shape), or pass heads= the axis of size "
+        f"{n_heads}."
+    )
 
 
 def patch_mask(

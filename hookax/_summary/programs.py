@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from collections.abc import Hashable
 from typing import Any
 
@@ -382,8 +383,55 @@ class Program:
 
 
 def _modules_error(fn: Any) -> str:
+    name = getattr(fn, "__name__", fn)
+    found = _outside_modules(fn)
+    if not found:
+        return (
+            f"hx.summary({name!r}, ...): the function calls a module that is not among its "
+            "positional arguments, so there is no model to summarise. Fix: pass the model as an "
+            "argument of the function: hx.summary(forward, model, cache, tokens)."
+        )
+    var, module = found[0]
+    kind = type(module).__name__
+    if _is_linen(module):
+        return (
+            f"hx.summary({name!r}, ...): the function runs the Linen module {var!r} ({kind}) "
+            "through apply, so hx.summary sees its variables only as arrays. Fix: summarise "
+            f"the module itself with its variables, hx.summary({var}.bind(variables), *inputs) "
+            f"or hx.summary({var}.apply, variables, *inputs), or initialised abstractly, "
+            f"hx.summary({var}, *inputs)."
+        )
+    if name == "<lambda>":
+        take, fn_name = f"lambda {var}, *inputs: ...", "that_function"
+    else:
+        take, fn_name = f"def {name}({var}, ...)", name
     return (
-        f"hx.summary({getattr(fn, '__name__', fn)!r}, ...): the function calls a module that is "
-        "not among its positional arguments, so there is no model to summarise. Fix: pass the "
-        "model as an argument of the function: hx.summary(forward, model, cache, tokens)."
+        f"hx.summary({name!r}, ...): the function calls the module {var!r} ({kind}) from "
+        f"outside its arguments, so there is no model to summarise. Fix: take it as an "
+        f"argument, {take}, and pass it: hx.summary({fn_name}, {var}, *inputs)."
     )
+
+
+def _outside_modules(fn: Any) -> list[tuple[str, Any]]:
+    """The modules ``fn`` reads from its closure or its globals, by the name it reads them."""
+    from .._engine.adapters import adapter_for
+
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return []
+    cells = dict(zip(code.co_freevars, getattr(fn, "__closure__", None) or ()))
+    scope = getattr(fn, "__globals__", {})
+    found = []
+    for var in (*code.co_freevars, *code.co_names):
+        try:
+            value = cells[var].cell_contents if var in cells else scope[var]
+        except (KeyError, ValueError):
+            continue
+        if adapter_for(value) is not None or _is_linen(value):
+            found.append((var, value))
+    return found
+
+
+def _is_linen(obj: Any) -> bool:
+    nn = sys.modules.get("flax.linen")
+    return nn is not None and isinstance(obj, nn.Module)

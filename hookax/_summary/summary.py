@@ -5,10 +5,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-from collections.abc import Hashable
+import sys
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 from .._util.errors import HookaxError
+from .._util.words import counted
 from . import haiku as _summary_haiku
 from . import render as _summary_render
 
@@ -202,7 +204,8 @@ class Summary:
     def __repr__(self) -> str:
         t = self.totals
         return (
-            f"<hx.Summary {self.title}: {len(self.rows)} call sites, {t.params:,} parameters, "
+            f"<hx.Summary {self.title}: {counted(len(self.rows), 'call site')}, "
+            f"{counted(t.params, 'parameter', ',')}, "
             f"{_summary_render.compact(t.flops)} FLOPs>"
         )
 
@@ -300,6 +303,7 @@ def summary(
       [('', 'forward', 16384), ('mlp', 'mlp', 16384)]
     """
     args, kwargs = _specs_to_structs(example_args), _specs_to_structs(example_kwargs)
+    model, args = _linen_apply(model, args, kwargs)
     name, call, backend = None, None, None
     _check_options(depth, method, train)
     from .._engine.adapters import is_haiku_model
@@ -485,6 +489,22 @@ def _specs_to_structs(tree: Any) -> Any:
     if isinstance(tree, dict):
         return {k: convert(v) for k, v in tree.items()}
     return tuple(convert(x) for x in tree)
+
+
+def _linen_apply(fn: Any, args: tuple, kwargs: dict) -> tuple[Any, tuple]:
+    """``hx.summary(model.apply, variables, *inputs)`` is ``hx.summary(model.bind(variables),
+    *inputs)``: a Linen module's ``apply`` with its variables first; anything else unchanged."""
+    nn = sys.modules.get("flax.linen")
+    owner = getattr(fn, "__self__", None)
+    if nn is None or not isinstance(owner, nn.Module) or getattr(fn, "__name__", "") != "apply":
+        return fn, args
+    if not args or not isinstance(args[0], Mapping) or _APPLY_OPTIONS & set(kwargs):
+        return fn, args
+    return owner.bind(args[0]), args[1:]
+
+
+# ``Module.apply``'s own keywords: a summary that passes them is left to the general path.
+_APPLY_OPTIONS = {"rngs", "mutable", "capture_intermediates"}
 
 
 def _is_function(obj: Any) -> bool:

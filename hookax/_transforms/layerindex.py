@@ -42,6 +42,7 @@ from .._util.jaxcompat import (
     pjit,
     scan_params,
 )
+from .._util.words import counted
 from .tagrules import _jaxprs_in
 
 __all__ = ["layer_index", "layer_index_p", "select"]
@@ -271,7 +272,8 @@ def _install() -> None:
             if bad:
                 raise HookaxError(
                     f"hookax: layer {bad[0]} selected, but the scan that runs the call site "
-                    f"has {length} layers (0 to {length - 1}). Fix: pick an index below {length}."
+                    f"has {counted(length, 'layer')} (0 to {length - 1}). Fix: pick an index "
+                    f"below {length}."
                 )
             body = _with_index(jaxpr)
             return with_iota(ctx, *args, jaxpr=body, length=length, **params)

@@ -22,7 +22,7 @@ from transformer_lens.hook_points import HookPoint
 
 import hookax as hx
 
-from .nnx_gpt import GPT, NAMES, PARTS, from_transformer_lens
+from .nnx_gpt import GPT, INLINE_PARTS, NAMES, PARTS, InlineGPT, from_transformer_lens
 
 CFG: dict[str, Any] = dict(
     n_layers=3, d_model=64, n_heads=4, d_head=16, d_mlp=256, d_vocab=50, n_ctx=8
@@ -126,8 +126,8 @@ def _stream(s: Setup) -> tuple[Any, hx.ResidualStream]:
 def residual(s: Setup) -> dict[str, Pair]:
     """The residual-stream views: ``stack_head_results`` and ``decompose_resid`` (labels
     checked), ``accumulated_resid``, the final norm applied to it (frozen scale, and
-    TransformerLens' ``apply_ln=True``, which recomputes the norm's statistics for each
-    component: the norm module itself on hookax's side), and direct logit attribution
+    ``apply_ln=True``, which recomputes the norm's statistics for each entry), and direct logit
+    attribution
     (``cache.logit_attrs`` of the decomposed stream and of the heads, at the last position)."""
     tl_cache, rs = _stream(s)
     answer, wrong = torch.full((BATCH,), ANSWER), torch.full((BATCH,), WRONG)
@@ -155,9 +155,32 @@ def residual(s: Setup) -> dict[str, Pair]:
         "decompose_resid": (_np(dec), _np(mine_dec.values)),
         "accumulated_resid": (_np(acc), _np(mine_acc.values)),
         "apply_ln_to_stack": (_np(acc_frozen), _np(frozen.values)),
-        "accumulated_resid(apply_ln=True)": (_np(acc_ln), _np(s.nnx.ln_f(mine_acc.values))),
+        "accumulated_resid(apply_ln=True)": (
+            _np(acc_ln),
+            _np(rs.accumulated_resid(apply_ln=True).values),
+        ),
         "logit_attrs (decomposed)": (_np(dla), _np(mine_dla)),
         "logit_attrs (heads)": (_np(dla_heads), _np(mine_dla_heads)),
+    }
+
+
+def inline_positions(s: Setup) -> dict[str, Pair]:
+    """The GPT adding its positions inline (no call site for them): hookax's ``decompose_resid``
+    against TransformerLens' (whose ``pos_embed`` is hookax's ``embed_rest``), and its sum
+    against the final stream."""
+    with torch.no_grad():
+        _, tl_cache = s.tl.run_with_cache(s.clean)
+        dec, labels = tl_cache.decompose_resid(return_labels=True)
+        final = tl_cache["resid_post", CFG["n_layers"] - 1]
+    model = InlineGPT(s.nnx)
+    _, acts = INLINE_PARTS.capture(model)(s.jclean)
+    mine = hx.ResidualStream(acts, INLINE_PARTS, model).decompose_resid()
+    want = ["embed_rest" if label == "pos_embed" else label for label in labels]
+    if list(mine.labels) != want:
+        raise AssertionError(f"labels differ: hookax {mine.labels}, TransformerLens {want}")
+    return {
+        "decompose_resid (positions inline)": (_np(dec), _np(mine.values)),
+        "its sum (positions inline)": (_np(final), _np(mine.sum())),
     }
 
 
@@ -242,6 +265,7 @@ def attribution(s: Setup) -> dict[str, Pair]:
 ALL: dict[str, Callable[[Setup], dict[str, Pair]]] = {
     "cache": cache,
     "residual": residual,
+    "inline_positions": inline_positions,
     "block_every": block_every,
     "attribution": attribution,
 }

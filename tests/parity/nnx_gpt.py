@@ -8,6 +8,7 @@ does not import torch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,6 +33,8 @@ PARTS = hx.Components(
     heads="blocks/*/attn/out",
 )
 NAMES = hx.transformer_names("blocks/*", attention="nnx", pos_embed="pos_embed")
+# The GPT that adds its positions inline (:class:`InlineGPT`): only the token embedding is a call.
+INLINE_PARTS = dataclasses.replace(PARTS, embed="embed")
 
 
 class MLP(nnx.Module):
@@ -79,6 +82,24 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[-1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.unembed(self.ln_f(x))
+
+
+class InlineGPT(nnx.Module):
+    """``gpt``'s layers with its positions a table indexed inline (an ``nnx.Param``, no module
+    call), as GPT-2 ports often write them."""
+
+    def __init__(self, gpt: GPT) -> None:
+        self.embed = gpt.embed
+        self.pos = nnx.Param(gpt.pos_embed.embedding.get_value())
+        self.blocks = gpt.blocks
+        self.ln_f = gpt.ln_f
+        self.unembed = gpt.unembed
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens) + self.pos[: tokens.shape[-1]]
         for block in self.blocks:
             x = block(x)
         return self.unembed(self.ln_f(x))
