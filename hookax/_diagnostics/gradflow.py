@@ -131,7 +131,7 @@ class GradFlow:
         table = self.grid().html()
         if importlib.util.find_spec("matplotlib") is None or not (self.outputs or self.params):
             return table
-        from .figure import png_html
+        from .._util.figure import png_html
 
         return png_html(plot_grad_flow(self)) + "\n" + table
 
@@ -485,7 +485,7 @@ def plot_grad_flow(flow: GradFlow, out: str | None = None, title: str = "gradien
     require("matplotlib", "plot", "hx.plot_grad_flow (it draws a chart)")
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from .figure import Figure, save_png
+    from .._util.figure import Figure, save_png
 
     panels: list[tuple[dict[str, list[float]], str]] = [
         ({"‖grad‖₂": list(flow.outputs.values())}, OUTPUT_LABEL)

@@ -89,7 +89,7 @@ def plot_stats(
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    from .figure import save_png
+    from .._util.figure import save_png
 
     names = (stats,) if isinstance(stats, str) else tuple(stats)
     events = _logger.read_events(logdir)

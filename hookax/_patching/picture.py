@@ -21,7 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .labelled import LabelledArray
+# The array drawn (:class:`.labelled.LabelledArray`, which imports this module when it is shown).
+LabelledArray = Any
 
 __all__ = ["Table", "describe", "html", "matrix", "plot", "text"]
 
@@ -352,7 +353,7 @@ def plot(
     ax.set_title(title if title is not None else heading(la), fontsize=9)
     fig.colorbar(im, ax=ax, label=la.title or "value")
     if out is not None:
-        from .._diagnostics.figure import save_png
+        from .._util.figure import save_png
 
         save_png(fig, out)
     return fig
