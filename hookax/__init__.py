@@ -23,6 +23,10 @@ from ._capture.ops import intercept_op as intercept_op
 from ._capture.ops import named_scopes as named_scopes
 from ._capture.opslist import Ops as Ops
 from ._capture.opslist import ops as ops
+from ._circuits.attribute import edge_attribution as edge_attribution
+from ._circuits.circuit import faithfulness as faithfulness
+from ._circuits.circuit import run_circuit as run_circuit
+from ._circuits.edges import Edges as Edges
 from ._diagnostics.gradflow import GradFlow as GradFlow
 from ._diagnostics.gradflow import grad_flow as grad_flow
 from ._diagnostics.gradflow import layer_grad_norms as layer_grad_norms
@@ -105,6 +109,7 @@ __all__ = [
     "ActivationStore",
     "Components",
     "Context",
+    "Edges",
     "GradFlow",
     "HookError",
     "HookHandle",
@@ -141,6 +146,8 @@ __all__ = [
     "attribution_patch",
     "capture",
     "compilation_cache",
+    "edge_attribution",
+    "faithfulness",
     "find_nonfinite",
     "grad_flow",
     "harvest",
@@ -169,6 +176,7 @@ __all__ = [
     "register_full_backward_hook",
     "register_full_backward_pre_hook",
     "remove_hooks",
+    "run_circuit",
     "show",
     "splice_eval",
     "split_heads",

@@ -29,6 +29,7 @@ def traces() -> TraceCounter:
 # after `make test`, so `make test` stays under about 6 minutes. Node-id prefixes; the docs'
 # pages are doctests and cannot carry a decorator.
 SLOW = (
+    "tests/test_induction.py::test_training_learns_a_previous_token_head_and_induction_heads",
     "docs/attention.md::",
     "docs/from_transformer_lens.md::",
     "docs/patching.md::",

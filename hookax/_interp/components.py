@@ -35,6 +35,10 @@ class Components:
         ``nn.Dense``: give ``n_heads``) or on their own axis (``nnx.MultiHeadAttention``'s
         ``out``, Linen's ``DenseGeneral``).
       n_heads: the number of heads, for a projection of concatenated heads.
+      qkv: the attention's query, key and value projections (``("blocks/*/attn/query",
+        "blocks/*/attn/key", "blocks/*/attn/value")``), whose inputs are each head's query, key
+        and value inputs: the receivers of [`hx.edge_attribution`][hookax.edge_attribution]'s
+        edges into heads.
       norm_kind: ``"layer"`` or ``"rms"`` when the final norm's type does not say (a Linen
         LayerNorm without a bias).
       norm_eps: the final norm's epsilon, for recomputing it (``accumulated_resid(apply_ln=
@@ -55,6 +59,7 @@ class Components:
     unembed: str | None = None
     heads: str | None = None
     n_heads: int | None = None
+    qkv: tuple[str, str, str] | None = None
     norm_kind: str | None = None
     norm_eps: float | None = None
     embed_rest: bool | None = None

@@ -1,0 +1,221 @@
+"""Circuits: edge attribution (EAP, EAP-IG), circuits and faithfulness, each against a hand-unrolled
+forward of a two-layer attention-only transformer in which every head reads its own copy of the
+stream for its query, key and value."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import hookax as hx
+from hookax.examples import induction
+
+CFG = induction.Config(vocab=8, d_model=8, n_heads=2, half=3)
+CLEAN = jnp.array([[1, 2, 3, 1, 2, 3], [4, 5, 6, 4, 5, 6]])
+CORRUPT = jnp.array([[1, 2, 3, 7, 0, 1], [4, 5, 6, 2, 2, 0]])
+
+
+def metric(logits):
+    return logits[0, -1, 1] - logits[1, -1, 2] + 0.5 * logits[:, 3, 5].sum()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return induction.AttnOnly(CFG, rngs=nnx.Rngs(3))
+
+
+def hand(model, tokens, extra=None, alpha=None, corrupt_embeds=None):
+    """The model unrolled by hand; ``extra[receiver]`` is added to that receiver's own copy of
+    the stream; returns the logits and every sender's value."""
+    extra = extra or {}
+    t = tokens.shape[1]
+    senders = {
+        "embed": model.embed.embedding[...][tokens],
+        "pos_embed": model.pos_embed.embedding[...][:t],
+    }
+    if alpha is not None:
+        senders = {
+            k: corrupt_embeds[k] + alpha * (v - corrupt_embeds[k]) for k, v in senders.items()
+        }
+    x = senders["embed"] + senders["pos_embed"]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    for layer, block in enumerate(model.blocks):
+        a = block.attn
+        out = a.out.bias[...]
+        for h in range(CFG.n_heads):
+            name = f"L{layer}H{h}"
+            proj = {}
+            for kind, lin in (("q", a.query), ("k", a.key), ("v", a.value)):
+                xin = x + extra.get(f"{name}.{kind}", 0.0)
+                proj[kind] = xin @ lin.kernel[...][:, h] + lin.bias[...][h]
+            d_head = proj["q"].shape[-1]
+            s = jnp.einsum("bqd,bkd->bqk", proj["q"] / jnp.sqrt(d_head), proj["k"])
+            p = jax.nn.softmax(jnp.where(causal, s, jnp.finfo(s.dtype).min), axis=-1)
+            result = jnp.einsum("bqk,bkd->bqd", p, proj["v"]) @ a.out.kernel[...][h]
+            senders[name] = result
+            out = out + result
+        x = x + out
+    x = x + extra.get("logits", 0.0)
+    return x @ model.unembed.kernel[...] + model.unembed.bias[...], senders
+
+
+RECEIVERS = [f"L{i}H{h}.{k}" for i in range(2) for k in "qkv" for h in range(2)] + ["logits"]
+
+
+def upstream(receiver):
+    embeds = ["embed", "pos_embed"]
+    if receiver.startswith("L0"):
+        return embeds
+    layer0 = [f"L0H{h}" for h in range(2)]
+    if receiver.startswith("L1"):
+        return embeds + layer0
+    return embeds + layer0 + [f"L1H{h}" for h in range(2)]
+
+
+def hand_scores(model, alphas=(None,)):
+    _, clean = hand(model, CLEAN)
+    _, corrupt = hand(model, CORRUPT)
+    zeros = {r: jnp.zeros((2, 6, 8)) for r in RECEIVERS}
+    grads = []
+    for a in alphas:
+        f = lambda e: metric(hand(model, CLEAN, e, a, corrupt)[0])  # noqa: B023, E731
+        grads.append(jax.grad(f)(zeros))
+    g = {r: sum(gr[r] for gr in grads) / len(grads) for r in RECEIVERS}
+    return {
+        (s, r): float(jnp.sum((corrupt[s] - clean[s]) * g[r]))
+        for r in RECEIVERS
+        for s in upstream(r)
+    }
+
+
+def test_the_hand_forward_is_the_model(model):
+    np.testing.assert_allclose(hand(model, CLEAN)[0], model(CLEAN), atol=1e-5)
+
+
+def test_eap_scores_every_edge_as_the_hand_gradient(model):
+    edges = hx.edge_attribution(model, (CLEAN,), (CORRUPT,), metric, induction.components())
+    want = hand_scores(model)
+    assert set(edges) == set(want) and len(edges) == len(want) == 42
+    for edge, score in want.items():
+        assert edges[edge] == pytest.approx(score, rel=1e-4, abs=1e-5), edge
+
+
+def test_an_eap_score_is_the_directional_derivative(model):
+    """The score of (s, r): d/de metric with e * (s_corrupt - s_clean) added to r's input,
+    by central finite differences."""
+    edges = hx.edge_attribution(model, (CLEAN,), (CORRUPT,), metric, induction.components())
+    _, clean = hand(model, CLEAN)
+    _, corrupt = hand(model, CORRUPT)
+    for s, r in [
+        ("L0H1", "L1H0.k"),
+        ("embed", "L0H0.q"),
+        ("L1H1", "logits"),
+        ("pos_embed", "L1H1.v"),
+    ]:
+        d = corrupt[s] - clean[s]
+        eps = 1e-2
+        up = metric(hand(model, CLEAN, {r: eps * d})[0])
+        down = metric(hand(model, CLEAN, {r: -eps * d})[0])
+        assert edges[s, r] == pytest.approx(float(up - down) / (2 * eps), rel=2e-2, abs=1e-3)
+
+
+def test_eap_into_the_logits_is_exact_for_a_metric_linear_in_them(model):
+    """The logits are linear in the readout's input: the edge's score is the metric's change
+    when that one edge is corrupted."""
+    edges = hx.edge_attribution(model, (CLEAN,), (CORRUPT,), metric, induction.components())
+    base = float(metric(model(CLEAN)))
+    for s in ["embed", "L0H0", "L1H1"]:
+        cut = [e for e in edges if e != (s, "logits")]
+        y = hx.run_circuit(model, (CLEAN,), (CORRUPT,), cut, induction.components())
+        assert edges[s, "logits"] == pytest.approx(float(metric(y)) - base, rel=1e-4, abs=1e-5)
+
+
+def test_eap_ig_averages_the_gradient_along_the_embedding_path(model):
+    edges = hx.edge_attribution(
+        model, (CLEAN,), (CORRUPT,), metric, induction.components(), steps=3
+    )
+    want = hand_scores(model, alphas=(1 / 3, 2 / 3, 1.0))
+    for edge, score in want.items():
+        assert edges[edge] == pytest.approx(score, rel=1e-4, abs=1e-5), edge
+    one = hx.edge_attribution(model, (CLEAN,), (CORRUPT,), metric, induction.components(), steps=1)
+    assert not np.allclose(one.scores, edges.scores)
+
+
+def test_every_edge_is_the_clean_run_and_none_the_corrupted(model):
+    parts = induction.components()
+    edges = hx.edge_attribution(model, (CLEAN,), (CORRUPT,), metric, parts)
+    every = hx.run_circuit(model, (CLEAN,), (CORRUPT,), edges)
+    np.testing.assert_array_equal(every, model(CLEAN))
+    none = hx.run_circuit(model, (CLEAN,), (CORRUPT,), edges.top(0))
+    np.testing.assert_allclose(none, model(CORRUPT), atol=1e-5)
+    assert hx.faithfulness(model, (CLEAN,), (CORRUPT,), metric, edges) == 1.0
+    assert hx.faithfulness(model, (CLEAN,), (CORRUPT,), metric, [], parts) == pytest.approx(
+        0.0, abs=1e-5
+    )
+
+
+def hand_circuit(model, kept):
+    """The circuit by hand: each receiver's copy of the stream, where the edge from a sender is
+    cut, has the sender's corrupted value in place of its value in this run (two passes: the
+    senders of a pass are those of the pass before, which converges in as many passes as
+    layers)."""
+    _, corrupt = hand(model, CORRUPT)
+    _, here = hand(model, CLEAN)
+    for _ in range(3):
+        extra = {
+            r: sum(corrupt[s] - here[s] for s in upstream(r) if (s, r) not in kept)
+            for r in RECEIVERS
+        }
+        y, here = hand(model, CLEAN, extra)
+    return y
+
+
+def test_a_circuit_equals_the_hand_rewired_forward(model):
+    edges = hx.edge_attribution(model, (CLEAN,), (CORRUPT,), metric, induction.components())
+    rng = np.random.default_rng(0)
+    for k in (5, 17):
+        kept = [e for e in edges if rng.random() < k / len(edges)]
+        y = hx.run_circuit(model, (CLEAN,), (CORRUPT,), kept, induction.components())
+        np.testing.assert_allclose(y, hand_circuit(model, set(kept)), atol=1e-5)
+
+
+def test_edges_top_above_and_the_table(model):
+    edges = hx.edge_attribution(model, (CLEAN,), (CORRUPT,), metric, induction.components())
+    top = edges.top(5)
+    mags = np.abs(top.scores)
+    assert len(top) == 5 and list(mags) == sorted(mags, reverse=True)
+    assert mags[-1] >= np.sort(np.abs(edges.scores))[-5]
+    cut = edges.above(float(mags[2]))
+    assert list(cut) == list(top)[:3]
+    text = str(top)
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert f"{top.sources[0]}" in text and "5 edges" in text
+    assert hx.show(top) is top and repr(top) == "<hx.Edges: 5 edges>"
+
+
+def test_unknown_edges_and_missing_components_raise(model):
+    with pytest.raises(hx.HookaxError, match=r"L1H0 -> L0H0.q is no edge"):
+        hx.run_circuit(model, (CLEAN,), (CORRUPT,), [("L1H0", "L0H0.q")], induction.components())
+    with pytest.raises(hx.HookaxError, match="give components="):
+        hx.run_circuit(model, (CLEAN,), (CORRUPT,), [("embed", "logits")])
+    with pytest.raises(hx.HookaxError, match="qkv="):
+        hx.edge_attribution(
+            model, (CLEAN,), (CORRUPT,), metric, hx.Components(attn="blocks/*/attn")
+        )
+    with pytest.raises(hx.HookaxError, match="steps= takes a positive int"):
+        hx.edge_attribution(model, (CLEAN,), (CORRUPT,), metric, induction.components(), steps=0)
+
+
+def test_under_jit_the_scores_are_the_same(model):
+    parts = induction.components()
+    eager = hx.edge_attribution(model, (CLEAN,), (CORRUPT,), metric, parts)
+
+    @jax.jit
+    def run(model, clean, corrupt):
+        return hx.run_circuit(model, (clean,), (corrupt,), list(eager.top(6)), parts)
+
+    y = run(model, CLEAN, CORRUPT)
+    np.testing.assert_allclose(
+        y, hx.run_circuit(model, (CLEAN,), (CORRUPT,), eager.top(6)), atol=1e-6
+    )
