@@ -27,6 +27,7 @@ from ._circuits.attribute import edge_attribution as edge_attribution
 from ._circuits.circuit import faithfulness as faithfulness
 from ._circuits.circuit import run_circuit as run_circuit
 from ._circuits.edges import Edges as Edges
+from ._circuits.paths import path_patch as path_patch
 from ._diagnostics.gradflow import GradFlow as GradFlow
 from ._diagnostics.gradflow import grad_flow as grad_flow
 from ._diagnostics.gradflow import layer_grad_norms as layer_grad_norms
@@ -166,6 +167,7 @@ __all__ = [
     "patch_grid",
     "patch_head_every",
     "patching",
+    "path_patch",
     "plot_grad_flow",
     "plot_stats",
     "profile",

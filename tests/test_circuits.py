@@ -219,3 +219,42 @@ def test_under_jit_the_scores_are_the_same(model):
     np.testing.assert_allclose(
         y, hx.run_circuit(model, (CLEAN,), (CORRUPT,), eager.top(6)), atol=1e-6
     )
+
+
+def test_path_patching_equals_the_hand_loop_over_pairs(model):
+    parts = induction.components()
+    senders = ["embed", "L0H0", "L0H1", "L1H1"]
+    receivers = ["L1H0.k", "L1H1.q", ("L1H0.v", "L1H1.v"), "logits", "L0H1.k"]
+    grid = hx.path_patch(
+        model, (CLEAN,), (CORRUPT,), metric, parts, senders=senders, receivers=receivers
+    )
+    assert grid.shape == (4, 5) and grid.dtype == jnp.float32
+    _, clean = hand(model, CLEAN)
+    _, corrupt = hand(model, CORRUPT)
+    edges = hx.edge_attribution(model, (CLEAN,), (CORRUPT,), metric, parts)
+    for i, s in enumerate(senders):
+        for j, group in enumerate(receivers):
+            group = (group,) if isinstance(group, str) else group
+            into = [r for r in group if s in upstream(r)]
+            if not into:
+                assert np.isnan(grid[i, j]), (s, group)
+                continue
+            # the receivers read the sender's corrupted value; the sender itself is clean here
+            y, _ = hand(model, CLEAN, {r: corrupt[s] - clean[s] for r in into})
+            assert grid[i, j] == pytest.approx(float(metric(y)), rel=1e-5, abs=1e-5), (s, group)
+            cut = [e for e in edges if not (e[0] == s and e[1] in into)]
+            y = hx.run_circuit(model, (CLEAN,), (CORRUPT,), cut, parts)
+            assert grid[i, j] == pytest.approx(float(metric(y)), rel=1e-5, abs=1e-5)
+
+
+def test_path_patch_names_what_it_does_not_know(model):
+    with pytest.raises(hx.HookaxError, match=r"receivers= names \['L2H0.k'\]"):
+        hx.path_patch(
+            model,
+            (CLEAN,),
+            (CORRUPT,),
+            metric,
+            induction.components(),
+            senders=["L0H0"],
+            receivers=["L2H0.k"],
+        )

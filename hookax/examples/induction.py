@@ -33,6 +33,8 @@ __all__ = [
     "AttnOnly",
     "Config",
     "components",
+    "corrupted",
+    "in_context_logprob",
     "induction_scores",
     "load_or_train",
     "patterns",
@@ -207,6 +209,27 @@ def prev_token_scores(pattern: jax.Array) -> jax.Array:
     return pattern[..., q, q - 1].mean(axis=(-1, 1))
 
 
+def corrupted(key: jax.Array, tokens: jax.Array, vocab: int) -> jax.Array:
+    """``tokens`` with their first half replaced by fresh random tokens: the second half, the
+    same as before, repeats nothing. The queries of the second half read what they read in the
+    clean run; what changes is what the earlier positions hold (their keys)."""
+    half = tokens.shape[1] // 2
+    fresh = jax.random.randint(key, (tokens.shape[0], half), 0, vocab, dtype=tokens.dtype)
+    return tokens.at[:, :half].set(fresh)
+
+
+def in_context_logprob(tokens: jax.Array) -> Any:
+    """The metric of ``tokens`` (first half repeated): the logits -> the mean log-probability
+    of each token of the repeated half but the first (the ones an induction head predicts)."""
+    half = tokens.shape[1] // 2
+
+    def metric(logits: jax.Array) -> jax.Array:
+        logp = jax.nn.log_softmax(logits[:, half:-1].astype(jnp.float32))
+        return jnp.take_along_axis(logp, tokens[:, half + 1 :, None], axis=-1).mean()
+
+    return metric
+
+
 def main() -> None:
     cfg = Config()
     start = time.perf_counter()
@@ -218,6 +241,37 @@ def main() -> None:
     np.set_printoptions(precision=3, suppress=True)
     print("induction scores (layer x head):\n", np.asarray(induction_scores(pat)))
     print("previous-token scores (layer x head):\n", np.asarray(prev_token_scores(pat)))
+    from .._circuits.attribute import edge_attribution
+    from .._circuits.circuit import faithfulness
+    from .._circuits.paths import path_patch
+
+    corrupt = corrupted(jax.random.key(7), tokens, cfg.vocab)
+    metric = in_context_logprob(tokens)
+    print(f"metric: clean {metric(model(tokens)):.4f}, corrupted {metric(model(corrupt)):.4f}")
+    layer1 = [f"L1H{h}.{k}" for h in range(cfg.n_heads) for k in "qkv"]
+    grid = path_patch(
+        model,
+        (tokens,),
+        (corrupt,),
+        metric,
+        components(),
+        senders=[f"L0H{h}" for h in range(cfg.n_heads)],
+        receivers=layer1,
+    )
+    print("path patching from layer 0 into layer 1's q, k, v (metric - clean):")
+    print("      " + " ".join(f"{r:>7}" for r in layer1[:6]))
+    for h, row in enumerate(np.asarray(grid - metric(model(tokens)))):
+        print(f"L0H{h}  " + " ".join(f"{v:+7.3f}" for v in row[:6]))
+    print("      " + " ".join(f"{r:>7}" for r in layer1[6:]))
+    for h, row in enumerate(np.asarray(grid - metric(model(tokens)))):
+        print(f"L0H{h}  " + " ".join(f"{v:+7.3f}" for v in row[6:]))
+    for steps in (1, 10):
+        edges = edge_attribution(model, (tokens,), (corrupt,), metric, components(), steps=steps)
+        print(f"EAP, steps={steps}: the top 10 edges" + (" (EAP-IG)" if steps > 1 else ""))
+        print(edges.top(10))
+        for k in (6, 9, 12, 24):
+            f = faithfulness(model, (tokens,), (corrupt,), metric, edges.top(k))
+            print(f"faithfulness of the top {k} edges: {f:.3f}")
 
 
 if __name__ == "__main__":
