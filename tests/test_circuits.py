@@ -258,3 +258,116 @@ def test_path_patch_names_what_it_does_not_know(model):
             senders=["L0H0"],
             receivers=["L2H0.k"],
         )
+
+
+class ConcatAttention(nnx.Module):
+    """Attention of one's own: projections of concatenated heads (``nnx.Linear``)."""
+
+    def __init__(self, d, heads, rngs):
+        self.heads = heads
+        self.query = nnx.Linear(d, d, rngs=rngs)
+        self.key = nnx.Linear(d, d, rngs=rngs)
+        self.value = nnx.Linear(d, d, rngs=rngs)
+        self.out = nnx.Linear(d, d, rngs=rngs)
+
+    def __call__(self, x):
+        b, t, d = x.shape
+        split = lambda y: y.reshape(b, t, self.heads, d // self.heads)  # noqa: E731
+        q, k, v = split(self.query(x)), split(self.key(x)), split(self.value(x))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(jnp.float32(d // self.heads))
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        p = jax.nn.softmax(jnp.where(causal, s, -1e9), axis=-1)
+        return self.out(jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, t, d))
+
+
+class MLPBlock(nnx.Module):
+    def __init__(self, d, heads, rngs):
+        self.attn = ConcatAttention(d, heads, rngs)
+        self.mlp = nnx.Sequential(
+            nnx.Linear(d, 2 * d, rngs=rngs), jax.nn.gelu, nnx.Linear(2 * d, d, rngs=rngs)
+        )
+
+    def __call__(self, x):
+        x = x + self.attn(x)
+        return x + self.mlp(x)
+
+
+class WithMLPs(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(8, 8, rngs=rngs)
+        self.blocks = nnx.List([MLPBlock(8, 2, rngs) for _ in range(2)])
+        self.unembed = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.unembed(x)
+
+
+MLP_PARTS = hx.Components(
+    attn="blocks/*/attn",
+    mlp="blocks/*/mlp",
+    embed="embed",
+    unembed="unembed",
+    heads="blocks/*/attn/out",
+    qkv=("blocks/*/attn/query", "blocks/*/attn/key", "blocks/*/attn/value"),
+    n_heads=2,
+)
+
+
+def hand_mlps(model, tokens, extra):
+    """``WithMLPs`` unrolled by hand, each head's q/k/v and each MLP on its own input."""
+    senders = {"embed": model.embed.embedding[...][tokens]}
+    x = senders["embed"]
+    t = tokens.shape[1]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    for layer, block in enumerate(model.blocks):
+        a = block.attn
+        out = a.out.bias[...]
+        for h in range(2):
+            cols = slice(4 * h, 4 * h + 4)
+            proj = {}
+            for kind, lin in (("q", a.query), ("k", a.key), ("v", a.value)):
+                xin = x + extra.get(f"L{layer}H{h}.{kind}", 0.0)
+                proj[kind] = xin @ lin.kernel[...][:, cols] + lin.bias[...][cols]
+            s = jnp.einsum("bqd,bkd->bqk", proj["q"], proj["k"]) / jnp.sqrt(jnp.float32(4))
+            p = jax.nn.softmax(jnp.where(causal, s, -1e9), axis=-1)
+            z = jnp.einsum("bqk,bkd->bqd", p, proj["v"])
+            senders[f"L{layer}H{h}"] = z @ a.out.kernel[...][cols]
+            out = out + senders[f"L{layer}H{h}"]
+        x = x + out
+        up, down = block.mlp.layers[0], block.mlp.layers[2]
+        xin = x + extra.get(f"MLP{layer}", 0.0)
+        y = jax.nn.gelu(xin @ up.kernel[...] + up.bias[...]) @ down.kernel[...] + down.bias[...]
+        senders[f"MLP{layer}"] = y
+        x = x + y
+    x = x + extra.get("logits", 0.0)
+    return x @ model.unembed.kernel[...] + model.unembed.bias[...], senders
+
+
+def test_mlps_and_concatenated_heads_as_the_hand_forward():
+    model = WithMLPs(nnx.Rngs(1))
+    edges = hx.edge_attribution(model, (CLEAN,), (CORRUPT,), metric, MLP_PARTS)
+    np.testing.assert_allclose(hand_mlps(model, CLEAN, {})[0], model(CLEAN), atol=1e-5)
+    order = ["embed", "L0H0", "L0H1", "MLP0", "L1H0", "L1H1", "MLP1"]
+    receivers = {
+        f"L{i}H{h}.{k}": order[: 1 + 3 * i] for i in range(2) for h in range(2) for k in "qkv"
+    }
+    receivers |= {"MLP0": order[:3], "MLP1": order[:6], "logits": order}
+    assert set(edges) == {(s, r) for r, ss in receivers.items() for s in ss}
+    _, clean = hand_mlps(model, CLEAN, {})
+    _, corrupt = hand_mlps(model, CORRUPT, {})
+    zeros = {r: jnp.zeros((2, 6, 8)) for r in receivers}
+    g = jax.grad(lambda e: metric(hand_mlps(model, CLEAN, e)[0]))(zeros)
+    for r, ss in receivers.items():
+        for s in ss:
+            want = float(jnp.sum((corrupt[s] - clean[s]) * g[r]))
+            assert edges[s, r] == pytest.approx(want, rel=1e-4, abs=1e-5), (s, r)
+    # a circuit: the MLPs' inputs read the corrupted embedding, everything else clean
+    kept = [e for e in edges if not (e[0] == "embed" and e[1].startswith("MLP"))]
+    y = hx.run_circuit(model, (CLEAN,), (CORRUPT,), kept, MLP_PARTS)
+    d = corrupt["embed"] - clean["embed"]
+    want, _ = hand_mlps(model, CLEAN, {"MLP0": d, "MLP1": d})
+    np.testing.assert_allclose(y, want, atol=1e-5)
+    np.testing.assert_array_equal(hx.run_circuit(model, (CLEAN,), (CORRUPT,), edges), model(CLEAN))
