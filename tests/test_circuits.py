@@ -371,3 +371,43 @@ def test_mlps_and_concatenated_heads_as_the_hand_forward():
     want, _ = hand_mlps(model, CLEAN, {"MLP0": d, "MLP1": d})
     np.testing.assert_allclose(y, want, atol=1e-5)
     np.testing.assert_array_equal(hx.run_circuit(model, (CLEAN,), (CORRUPT,), edges), model(CLEAN))
+
+
+def test_on_linen_the_graph_circuits_and_exact_edges_into_the_logits():
+    import functools
+
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
+            return x + nn.MultiHeadDotProductAttention(num_heads=2, name="attn")(x, mask=mask)
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, tokens):
+            x = nn.Embed(8, 8, name="embed")(tokens)
+            for i in range(2):
+                x = Block(name=f"blocks_{i}")(x)
+            return nn.Dense(8, name="unembed")(x)
+
+    module = Model()
+    fn = functools.partial(module.apply, module.init(jax.random.key(0), CLEAN))
+    parts = hx.Components(
+        attn="blocks_*/attn",
+        embed="embed",
+        unembed="unembed",
+        heads="blocks_*/attn/out",
+        qkv=("blocks_*/attn/query", "blocks_*/attn/key", "blocks_*/attn/value"),
+    )
+    edges = hx.edge_attribution(fn, (CLEAN,), (CORRUPT,), metric, parts)
+    assert len(edges) == 6 * 1 + 6 * 3 + 5  # layer 0, layer 1, the logits
+    np.testing.assert_array_equal(hx.run_circuit(fn, (CLEAN,), (CORRUPT,), edges), fn(CLEAN))
+    none = hx.run_circuit(fn, (CLEAN,), (CORRUPT,), [], parts)
+    np.testing.assert_allclose(none, fn(CORRUPT), atol=1e-5)
+    for s in ("embed", "L0H1", "L1H0"):
+        cut = [e for e in edges if e != (s, "logits")]
+        y = hx.run_circuit(fn, (CLEAN,), (CORRUPT,), cut, parts)
+        want = float(metric(y) - metric(fn(CLEAN)))
+        assert edges[s, "logits"] == pytest.approx(want, rel=1e-4, abs=1e-5)

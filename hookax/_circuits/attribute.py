@@ -99,8 +99,9 @@ def edge_attribution(
     and the readout (``"logits"``: the input of ``final_norm``, else of ``unembed``). Each
     sender has an edge to every receiver that reads the stream after it is written: blocks are
     taken as sequential, layers unrolled (a Python loop over modules), and each receiver reads
-    the stream itself (no norm between; name a module that holds the norm, or use a model
-    without one).
+    the stream itself (no norm between). The projections are affine; each head reads its own
+    copy of their input (head ``h`` of ``proj(x) + linear(shift)``, the projection linearized).
+    Flax NNX and Linen attention.
 
     The score of edge ``(s, r)`` is ``sum((s_corrupt - s_clean) * g_r)`` over every batch
     element and position, where ``g_r`` is the gradient of the metric with respect to

@@ -9,10 +9,12 @@ each part reading the stream with every earlier output added.
 
 One interceptor does it all, on a model written the usual way (unrolled layers): it records
 each sender's value as the run makes it, and adds a *shift* to each receiver's input. A head
-reads its own copy of the projection's input: the projection runs once more per head on the
-shifted copy, and keeps that head's slice. The shifts are zeros to differentiate with respect
-to (each receiver's gradient), or, to corrupt edges, ``corrupt - value`` of the senders whose
-edge to that receiver is cut.
+reads its own copy of the projection's input: the projections are affine, so head ``h`` of
+``proj(x + shift)`` is head ``h`` of ``proj(x) + linear(shift)``, the projection linearized
+(``jax.linearize``: the module runs once, as Linen's compact modules require); a head's result
+is the output projection's linear part applied to that head's part of its input. The shifts
+are zeros to differentiate with respect to (each receiver's gradient), or, to corrupt edges,
+``corrupt - value`` of the senders whose edge to that receiver is cut.
 """
 
 from __future__ import annotations
@@ -96,18 +98,24 @@ class _Run:
         self.layer[role] = n + 1
         return n
 
-    def shifted(self, label: str, x: Any) -> Any:
-        """The receiver's input: its own plus its shift and its cut edges' corrections."""
+    def shift(self, label: str, x: Any) -> Any:
+        """What the receiver ``label`` adds to its input ``x``: its shift and its cut edges'
+        corrections (``sender_corrupt - sender_here``), in ``x``'s shape; None for nothing."""
         r = self.rewire
         self.receivers.append((label, len(self.values), tuple(jnp.shape(x))))
+        total = None
         if r.shifts is not None and label in r.shifts:
-            x = x + r.shifts[label]
+            total = r.shifts[label]
         if r.corrupt is not None and r.graph is not None:
             j = r.graph.receivers.index(label)
             for i, name in enumerate(r.graph.senders[: r.graph.before[j]]):
-                cut = 1 - r.keep[i, j]
-                x = x + cut * (r.corrupt[name] - self.values[name])
-        return x
+                term = (1 - r.keep[i, j]) * (r.corrupt[name] - self.values[name])
+                total = term if total is None else total + term
+        return None if total is None else jnp.broadcast_to(total, jnp.shape(x)).astype(x.dtype)
+
+    def shifted(self, label: str, x: Any) -> Any:
+        s = self.shift(label, x)
+        return x if s is None else x + s
 
     def record(self, label: str, value: Any) -> None:
         self.values[label] = value
@@ -152,31 +160,30 @@ class _Run:
         return n
 
     def _heads(self, next_fun: Callable[..., Any], z: Any, rest: tuple, kw: dict) -> Any:
-        """The output projection: each head's result, ``f(z of one head) - f(0)``."""
+        """The output projection: each head's result, the projection's linear part (no bias)
+        applied to that head's part of its input."""
         layer = self.next_layer("heads")
-        y = next_fun(z, *rest, **kw)
+        y, linear = jax.linearize(lambda v: next_fun(v, *rest, **kw), z)
         n = self._n_heads(z, y, "the output projection's input")
         split = z if n is None else z.reshape(*z.shape[:-1], n, -1)
-        bias = next_fun(jnp.zeros_like(z), *rest, **kw)
         for h in range(split.shape[-2]):
             one = jnp.zeros_like(split).at[..., h, :].set(split[..., h, :])
-            self.record(f"L{layer}H{h}", next_fun(one.reshape(z.shape), *rest, **kw) - bias)
+            self.record(f"L{layer}H{h}", linear(one.reshape(z.shape)))
         return y
 
     def _projection(
         self, kind: str, next_fun: Callable[..., Any], x: Any, rest: tuple, kw: dict
     ) -> Any:
-        """A query, key or value projection: each head on its own shifted copy of the input."""
+        """A query, key or value projection: each head reads its own copy of the input, the
+        projection's linear part applied to that copy's shift."""
         layer = self.next_layer(kind)
-        y = next_fun(x, *rest, **kw)
+        y, linear = jax.linearize(lambda v: next_fun(v, *rest, **kw), x)
         n = self._n_heads(y, x, "the projection's output")
-        split = y if n is None else y.reshape(*y.shape[:-1], n, -1)
+        split = (lambda v: v) if n is None else (lambda v: v.reshape(*v.shape[:-1], n, -1))
         heads = []
-        for h in range(split.shape[-2]):
-            xh = self.shifted(f"L{layer}H{h}.{kind}", x)
-            yh = split if xh is x else next_fun(xh, *rest, **kw)
-            yh = yh if n is None or xh is x else yh.reshape(split.shape)
-            heads.append(yh[..., h, :])
+        for h in range(split(y).shape[-2]):
+            s = self.shift(f"L{layer}H{h}.{kind}", x)
+            heads.append(split(y if s is None else y + linear(s))[..., h, :])
         out = jnp.stack(heads, axis=-2)
         return out if n is None else out.reshape(y.shape)
 
