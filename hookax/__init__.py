@@ -25,6 +25,7 @@ from ._capture.opslist import Ops as Ops
 from ._capture.opslist import ops as ops
 from ._circuits.attribute import edge_attribution as edge_attribution
 from ._circuits.circuit import faithfulness as faithfulness
+from ._circuits.circuit import prune_edges as prune_edges
 from ._circuits.circuit import run_circuit as run_circuit
 from ._circuits.edges import Edges as Edges
 from ._circuits.paths import path_patch as path_patch
@@ -172,6 +173,7 @@ __all__ = [
     "plot_stats",
     "profile",
     "program",
+    "prune_edges",
     "read_events",
     "register_forward_hook",
     "register_forward_pre_hook",

@@ -411,3 +411,19 @@ def test_on_linen_the_graph_circuits_and_exact_edges_into_the_logits():
         y = hx.run_circuit(fn, (CLEAN,), (CORRUPT,), cut, parts)
         want = float(metric(y) - metric(fn(CLEAN)))
         assert edges[s, "logits"] == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def test_pruning_finds_the_fewest_top_edges_that_reach_the_target(model):
+    parts = induction.components()
+    edges = hx.edge_attribution(model, (CLEAN,), (CORRUPT,), metric, parts)
+    ranked = edges.top(len(edges))
+    every = [hx.faithfulness(model, (CLEAN,), (CORRUPT,), metric, ranked.top(k)) for k in range(43)]
+    for target in (0.5, 0.9, 0.99):
+        circuit, f = hx.prune_edges(model, (CLEAN,), (CORRUPT,), metric, edges, target=target)
+        k = len(circuit)
+        assert list(circuit) == list(ranked.top(k)) and f == pytest.approx(every[k], abs=1e-6)
+        assert f >= target and (k == 0 or every[k - 1] < target)
+        if all(x >= target for x in every[k:]):  # where it grows: the smallest k
+            assert k == next(i for i, x in enumerate(every) if all(y >= target for y in every[i:]))
+    circuit, f = hx.prune_edges(model, (CLEAN,), (CORRUPT,), metric, edges, target=2.0)
+    assert len(circuit) == len(edges) and f == 1.0

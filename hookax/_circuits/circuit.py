@@ -24,7 +24,7 @@ from ..frameworks._functions import as_program
 from .edges import Edges
 from .graph import Graph, Rewire, check, discover, rewired
 
-__all__ = ["faithfulness", "run_circuit"]
+__all__ = ["faithfulness", "prune_edges", "run_circuit"]
 
 WHO = "hx.run_circuit"
 
@@ -158,3 +158,66 @@ def faithfulness(
     circuit = float(metric(run_circuit(fn, clean_args, corrupt_args, edges, components)))
     clean, corrupt = float(metric(fn(*clean_args))), float(metric(fn(*corrupt_args)))
     return (circuit - corrupt) / (clean - corrupt) if clean != corrupt else float("nan")
+
+
+def prune_edges(
+    fn: Callable[..., Any],
+    clean_args: tuple[Any, ...],
+    corrupt_args: tuple[Any, ...],
+    metric: Callable[[Any], Any],
+    edges: Edges,
+    *,
+    target: float = 0.9,
+) -> tuple[Edges, float]:
+    """The fewest top-scored edges whose circuit reaches a faithfulness of ``target``.
+
+    The edges are taken by absolute score (``edges.top(k)``) and ``k`` found by bisection
+    between 0 and every edge: the smallest ``k`` at which the faithfulness
+    ([`hx.faithfulness`][hookax.faithfulness]) is at least ``target`` where it grows with ``k``
+    (it need not, everywhere: bisection then gives a ``k`` that reaches the target with one
+    edge fewer that does not). About ``log2(len(edges))`` runs of one compiled program.
+
+    Args:
+      fn: as [`hx.run_circuit`][hookax.run_circuit].
+      clean_args: as [`hx.run_circuit`][hookax.run_circuit].
+      corrupt_args: as [`hx.run_circuit`][hookax.run_circuit].
+      metric: ``fn``'s output -> a scalar.
+      edges: scored edges, as [`hx.edge_attribution`][hookax.edge_attribution] gives them.
+      target: the faithfulness to reach.
+
+    Returns:
+      ``(circuit, faithfulness)``: the top ``k`` edges and their faithfulness (every edge,
+      faithfulness 1, when no smaller ``k`` reaches the target).
+
+    Examples:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> import hookax as hx
+      >>> from hookax.examples import induction
+      >>> cfg = induction.Config(vocab=8, d_model=8, n_heads=2, half=3)
+      >>> model = induction.AttnOnly(cfg, rngs=nnx.Rngs(0))
+      >>> clean, corrupt = jnp.array([[1, 2, 3, 1, 2, 3]]), jnp.array([[4, 5, 6, 1, 2, 3]])
+      >>> metric = lambda y: y[0, -2, 3]
+      >>> edges = hx.edge_attribution(model, (clean,), (corrupt,), metric,
+      ...                             induction.components())
+      >>> circuit, f = hx.prune_edges(model, (clean,), (corrupt,), metric, edges, target=0.8)
+      >>> f >= 0.8, len(circuit) < len(edges)
+      (True, True)
+    """
+    ranked = edges.top(len(edges))
+    clean, corrupt = float(metric(fn(*clean_args))), float(metric(fn(*corrupt_args)))
+
+    def reached(k: int) -> float:
+        y = run_circuit(fn, clean_args, corrupt_args, ranked.top(k))
+        return (float(metric(y)) - corrupt) / (clean - corrupt) if clean != corrupt else 1.0
+
+    seen: dict[int, float] = {}
+    lo, hi = 0, len(ranked)  # the target is reached at hi, and not below lo
+    while lo < hi:
+        mid = (lo + hi) // 2
+        seen[mid] = reached(mid)
+        if seen[mid] >= target:
+            hi = mid
+        else:
+            lo = mid + 1
+    return ranked.top(hi), seen[hi] if hi in seen else reached(hi)
