@@ -373,7 +373,8 @@ def test_mlps_and_concatenated_heads_as_the_hand_forward():
     np.testing.assert_array_equal(hx.run_circuit(model, (CLEAN,), (CORRUPT,), edges), model(CLEAN))
 
 
-def test_on_linen_the_graph_circuits_and_exact_edges_into_the_logits():
+@pytest.mark.parametrize("pre_norm", [False, True])
+def test_on_linen_the_graph_circuits_and_exact_edges_into_the_logits(pre_norm):
     import functools
 
     import flax.linen as nn
@@ -382,7 +383,8 @@ def test_on_linen_the_graph_circuits_and_exact_edges_into_the_logits():
         @nn.compact
         def __call__(self, x):
             mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
-            return x + nn.MultiHeadDotProductAttention(num_heads=2, name="attn")(x, mask=mask)
+            h = nn.LayerNorm(name="ln1")(x) if pre_norm else x
+            return x + nn.MultiHeadDotProductAttention(num_heads=2, name="attn")(h, mask=mask)
 
     class Model(nn.Module):
         @nn.compact
@@ -400,10 +402,16 @@ def test_on_linen_the_graph_circuits_and_exact_edges_into_the_logits():
         unembed="unembed",
         heads="blocks_*/attn/out",
         qkv=("blocks_*/attn/query", "blocks_*/attn/key", "blocks_*/attn/value"),
+        norms=("blocks_*/ln1", None) if pre_norm else None,
+        n_heads=2,
     )
     edges = hx.edge_attribution(fn, (CLEAN,), (CORRUPT,), metric, parts)
     assert len(edges) == 6 * 1 + 6 * 3 + 5  # layer 0, layer 1, the logits
-    np.testing.assert_array_equal(hx.run_circuit(fn, (CLEAN,), (CORRUPT,), edges), fn(CLEAN))
+    every = hx.run_circuit(fn, (CLEAN,), (CORRUPT,), edges)
+    if pre_norm:  # the norm of the stream and of the copies in one vmap: up to rounding
+        np.testing.assert_allclose(every, fn(CLEAN), atol=1e-5)
+    else:
+        np.testing.assert_array_equal(every, fn(CLEAN))
     none = hx.run_circuit(fn, (CLEAN,), (CORRUPT,), [], parts)
     np.testing.assert_allclose(none, fn(CORRUPT), atol=1e-5)
     for s in ("embed", "L0H1", "L1H0"):
@@ -427,3 +435,119 @@ def test_pruning_finds_the_fewest_top_edges_that_reach_the_target(model):
             assert k == next(i for i, x in enumerate(every) if all(y >= target for y in every[i:]))
     circuit, f = hx.prune_edges(model, (CLEAN,), (CORRUPT,), metric, edges, target=2.0)
     assert len(circuit) == len(edges) and f == 1.0
+
+
+class PreNormBlock(nnx.Module):
+    def __init__(self, d, heads, rngs):
+        self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+        self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+        self.attn = nnx.MultiHeadAttention(heads, d, decode=False, rngs=rngs)
+        self.mlp = nnx.Sequential(
+            nnx.Linear(d, 2 * d, rngs=rngs), jax.nn.gelu, nnx.Linear(2 * d, d, rngs=rngs)
+        )
+
+    def __call__(self, x):
+        mask = nnx.make_causal_mask(jnp.ones(x.shape[:2]))
+        x = x + self.attn(self.ln1(x), mask=mask)
+        return x + self.mlp(self.ln2(x))
+
+
+class PreNorm(nnx.Module):
+    def __init__(self, rngs):
+        self.embed = nnx.Embed(8, 8, rngs=rngs)
+        self.pos_embed = nnx.Embed(6, 8, rngs=rngs)
+        self.blocks = nnx.List([PreNormBlock(8, 2, rngs) for _ in range(2)])
+        self.ln_f = nnx.LayerNorm(8, rngs=rngs)
+        self.unembed = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens) + self.pos_embed(jnp.arange(tokens.shape[-1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.unembed(self.ln_f(x))
+
+
+PRENORM_PARTS = hx.Components(
+    attn="blocks/*/attn",
+    mlp="blocks/*/mlp",
+    embed=("embed", "pos_embed"),
+    final_norm="ln_f",
+    unembed="unembed",
+    heads="blocks/*/attn/out",
+    qkv=("blocks/*/attn/query", "blocks/*/attn/key", "blocks/*/attn/value"),
+    norms=("blocks/*/ln1", "blocks/*/ln2"),
+    n_heads=2,
+)
+
+
+def _ln(norm, x):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) / jnp.sqrt(var + norm.epsilon) * norm.scale[...] + norm.bias[...]
+
+
+def hand_prenorm(model, tokens, extra):
+    """``PreNorm`` unrolled by hand: each head's q/k/v input its own copy of the stream through
+    the norm, each MLP's and the readout's input through theirs."""
+    t = tokens.shape[1]
+    senders = {
+        "embed": model.embed.embedding[...][tokens],
+        "pos_embed": model.pos_embed.embedding[...][:t],
+    }
+    x = senders["embed"] + senders["pos_embed"]
+    causal = jnp.tril(jnp.ones((t, t), bool))
+    for layer, block in enumerate(model.blocks):
+        a = block.attn
+        out = a.out.bias[...]
+        for h in range(2):
+            proj = {}
+            for kind, lin in (("q", a.query), ("k", a.key), ("v", a.value)):
+                xin = _ln(block.ln1, x + extra.get(f"L{layer}H{h}.{kind}", 0.0))
+                proj[kind] = xin @ lin.kernel[...][:, h] + lin.bias[...][h]
+            s = jnp.einsum("bqd,bkd->bqk", proj["q"] / jnp.sqrt(4.0), proj["k"])
+            p = jax.nn.softmax(jnp.where(causal, s, jnp.finfo(s.dtype).min), axis=-1)
+            result = jnp.einsum("bqk,bkd->bqd", p, proj["v"]) @ a.out.kernel[...][h]
+            senders[f"L{layer}H{h}"] = result
+            out = out + result
+        x = x + out
+        up, down = block.mlp.layers[0], block.mlp.layers[2]
+        xin = _ln(block.ln2, x + extra.get(f"MLP{layer}", 0.0))
+        y = jax.nn.gelu(xin @ up.kernel[...] + up.bias[...]) @ down.kernel[...] + down.bias[...]
+        senders[f"MLP{layer}"] = y
+        x = x + y
+    x = _ln(model.ln_f, x + extra.get("logits", 0.0))
+    return x @ model.unembed.kernel[...] + model.unembed.bias[...], senders
+
+
+def test_pre_norm_blocks_as_the_hand_forward():
+    model = PreNorm(nnx.Rngs(2))
+    np.testing.assert_allclose(hand_prenorm(model, CLEAN, {})[0], model(CLEAN), atol=1e-5)
+    edges = hx.edge_attribution(model, (CLEAN,), (CORRUPT,), metric, PRENORM_PARTS)
+    order = ["embed", "pos_embed", "L0H0", "L0H1", "MLP0", "L1H0", "L1H1", "MLP1"]
+    receivers = {
+        f"L{i}H{h}.{k}": order[: 2 + 3 * i] for i in range(2) for h in range(2) for k in "qkv"
+    }
+    receivers |= {"MLP0": order[:4], "MLP1": order[:7], "logits": order}
+    assert set(edges) == {(s, r) for r, ss in receivers.items() for s in ss}
+    _, clean = hand_prenorm(model, CLEAN, {})
+    _, corrupt = hand_prenorm(model, CORRUPT, {})
+    zeros = {r: jnp.zeros((2, 6, 8)) for r in receivers}
+    g = jax.grad(lambda e: metric(hand_prenorm(model, CLEAN, e)[0]))(zeros)
+    for r, ss in receivers.items():
+        for s in ss:
+            want = float(jnp.sum((corrupt[s] - clean[s]) * g[r]))
+            assert edges[s, r] == pytest.approx(want, rel=1e-4, abs=1e-5), (s, r)
+    # circuits: every edge is the clean run, none the corrupted one, and one with the
+    # layer-0 heads' edges into layer 1's keys cut is the hand-rewired forward
+    every = hx.run_circuit(model, (CLEAN,), (CORRUPT,), edges)
+    np.testing.assert_allclose(every, model(CLEAN), atol=1e-5)
+    none = hx.run_circuit(model, (CLEAN,), (CORRUPT,), [], PRENORM_PARTS)
+    np.testing.assert_allclose(none, model(CORRUPT), atol=1e-5)
+    cut = {(f"L0H{a}", f"L1H{b}.k") for a in range(2) for b in range(2)}
+    y = hx.run_circuit(
+        model, (CLEAN,), (CORRUPT,), [e for e in edges if e not in cut], PRENORM_PARTS
+    )
+    extra = {
+        f"L1H{b}.k": sum(corrupt[f"L0H{a}"] - clean[f"L0H{a}"] for a in range(2)) for b in range(2)
+    }
+    np.testing.assert_allclose(y, hand_prenorm(model, CLEAN, extra)[0], atol=1e-5)

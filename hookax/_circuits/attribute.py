@@ -99,9 +99,10 @@ def edge_attribution(
     and the readout (``"logits"``: the input of ``final_norm``, else of ``unembed``). Each
     sender has an edge to every receiver that reads the stream after it is written: blocks are
     taken as sequential, layers unrolled (a Python loop over modules), and each receiver reads
-    the stream itself (no norm between). The projections are affine; each head reads its own
-    copy of their input (head ``h`` of ``proj(x) + linear(shift)``, the projection linearized).
-    Flax NNX and Linen attention.
+    the stream itself, or through the norms ``components.norms`` names (pre-norm blocks: each
+    head's query, key and value read the norm of a copy of their own). The projections are
+    affine; each head reads its own copy of their input (head ``h`` of ``proj(x) +
+    linear(shift)``, the projection linearized). Flax NNX and Linen attention.
 
     The score of edge ``(s, r)`` is ``sum((s_corrupt - s_clean) * g_r)`` over every batch
     element and position, where ``g_r`` is the gradient of the metric with respect to
@@ -118,8 +119,8 @@ def edge_attribution(
       corrupt_args: the corrupted run's arguments, the same shapes.
       metric: ``fn``'s output -> a scalar.
       components: an [`hx.Components`][hookax.Components] with ``embed``, ``heads`` (the
-        output projection), ``qkv``, ``mlp`` (None for attention only) and ``unembed`` or
-        ``final_norm``.
+        output projection), ``qkv``, ``mlp`` (None for attention only), ``unembed`` or
+        ``final_norm``, and in pre-norm blocks ``norms`` and ``n_heads``.
       steps: 1 for EAP; more for EAP-IG with that many points.
 
     Returns:

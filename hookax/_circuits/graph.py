@@ -3,7 +3,8 @@
 *Senders* write to the residual stream: each embedding (``"embed"``), each head's output after
 the output projection without its bias (``"L0H1"``), each MLP's output (``"MLP0"``).
 *Receivers* read it: each head's query, key and value inputs (``"L1H0.q"``), each MLP's input
-(``"MLP0"``) and the readout (``"logits"``: the final norm's input, or the unembedding's). An
+(``"MLP0"``) and the readout (``"logits"``: the final norm's input, or the unembedding's); in
+pre-norm blocks, the inputs of the norms before the attention and the MLP. An
 edge joins every sender to every receiver called after it: blocks are taken to be sequential,
 each part reading the stream with every earlier output added.
 
@@ -83,10 +84,14 @@ class _Run:
         self.embeds: list[str] = []
         self.receivers: list[tuple[str, int, tuple[int, ...]]] = []
         self.layer: dict[str, int] = {}
+        self.pending: tuple[Any, dict[str, Any]] | None = None  # a norm's output, its copies
         roles: list[tuple[str, str | None]] = [("embed", g) for g in as_tuple(parts.embed)]
         roles += [("heads", parts.heads)] if parts.heads else []
         roles += [(k, g) for k, g in zip("qkv", parts.qkv or ())]
         roles += [("mlp", parts.mlp)] if parts.mlp else []
+        attn_norm, mlp_norm = parts.norms or (None, None)
+        roles += [("attn_norm", attn_norm), ("mlp_norm", mlp_norm)]
+        self.mlp_normed = mlp_norm is not None
         roles += [("readout", parts.final_norm or parts.unembed)]
         self.roles = [(role, glob_to_regex(g)) for role, g in roles if g]
 
@@ -142,9 +147,14 @@ class _Run:
             return self._projection(role, next_fun, x, rest, kwargs)
         if role == "mlp":
             label = f"MLP{self.next_layer('mlp')}"
-            y = next_fun(self.shifted(label, x), *rest, **kwargs)
+            y = next_fun(x if self.mlp_normed else self.shifted(label, x), *rest, **kwargs)
             self.record(label, y)
             return y
+        if role == "mlp_norm":
+            label = f"MLP{self.next_layer('mlp_norm')}"
+            return next_fun(self.shifted(label, x), *rest, **kwargs)
+        if role == "attn_norm":
+            return self._attn_norm(next_fun, x, rest, kwargs)
         return next_fun(self.shifted("logits", x), *rest, **kwargs)  # the readout
 
     def _n_heads(self, x: Any, y: Any, what: str) -> int | None:
@@ -171,6 +181,28 @@ class _Run:
             self.record(f"L{layer}H{h}", linear(one.reshape(z.shape)))
         return y
 
+    def _attn_norm(self, next_fun: Callable[..., Any], x: Any, rest: tuple, kw: dict) -> Any:
+        """The norm before the attention: each head's query, key and value read the norm of
+        their own copy of the stream, all copies normed in one ``vmap``."""
+        layer = self.next_layer("attn_norm")
+        self.pending = None
+        n = self.parts.n_heads
+        if not n:
+            raise HookaxError(
+                f"{self.who}: with the norm before the attention (components.norms), give "
+                f"Components(n_heads=...): the heads' copies are made before their projections."
+            )
+        labels = [f"L{layer}H{h}.{kind}" for kind in "qkv" for h in range(n)]
+        shifts = [self.shift(label, x) for label in labels]
+        if all(s is None for s in shifts):
+            return next_fun(x, *rest, **kw)
+        # one call (Linen's compact modules run once): the stream first, then the copies
+        stack = jnp.stack([x] + [x if s is None else x + s for s in shifts])
+        normed = jax.vmap(lambda v: next_fun(v, *rest, **kw))(stack)
+        y = normed[0]
+        self.pending = (y, {label: normed[i + 1] - y for i, label in enumerate(labels)})
+        return y
+
     def _projection(
         self, kind: str, next_fun: Callable[..., Any], x: Any, rest: tuple, kw: dict
     ) -> Any:
@@ -181,8 +213,19 @@ class _Run:
         n = self._n_heads(y, x, "the projection's output")
         split = (lambda v: v) if n is None else (lambda v: v.reshape(*v.shape[:-1], n, -1))
         heads = []
+        normed = self.pending[1] if self.pending and x is self.pending[0] else None
+        if self.parts.norms and self.parts.norms[0] and normed is None and self.pending:
+            raise HookaxError(
+                f"{self.who}: the {kind} projection of layer {layer} does not read the output "
+                f"of the norm components.norms names (the same array); the copies of the "
+                f"heads' inputs cannot be found."
+            )
         for h in range(split(y).shape[-2]):
-            s = self.shift(f"L{layer}H{h}.{kind}", x)
+            label = f"L{layer}H{h}.{kind}"
+            if self.parts.norms and self.parts.norms[0]:
+                s = None if normed is None else normed[label]
+            else:
+                s = self.shift(label, x)
             heads.append(split(y if s is None else y + linear(s))[..., h, :])
         out = jnp.stack(heads, axis=-2)
         return out if n is None else out.reshape(y.shape)
@@ -198,6 +241,7 @@ class _Run:
 
 def _sites(parts: Components) -> tuple[str, ...]:
     sites = [*as_tuple(parts.embed), parts.heads, *(parts.qkv or ()), parts.mlp]
+    sites += list(parts.norms or ())
     sites.append(parts.final_norm or parts.unembed)
     return tuple(s for s in sites if s)
 
