@@ -125,7 +125,9 @@ def edge_attribution(
 
     Returns:
       An [`hx.Edges`][hookax.Edges] of every edge, receiver by receiver in the order the run
-      reads them, senders in the order it writes them.
+      reads them, senders in the order it writes them. Its scores are numpy values: call it
+      outside ``jax.jit`` (it compiles its own program); [`hx.run_circuit`][hookax.run_circuit]
+      and [`hx.path_patch`][hookax.path_patch] return arrays and trace inside one.
 
     Examples:
       >>> import jax, jax.numpy as jnp
