@@ -86,6 +86,7 @@ from ._patching.cache import logit_lens as logit_lens
 from ._patching.cache import split_heads as split_heads
 from ._patching.cache import stack_layers as stack_layers
 from ._patching.grid import patch_grid as patch_grid
+from ._patching.labelled import LabelledArray as LabelledArray
 from ._patching.patch import PatchError as PatchError
 from ._patching.patch import patching as patching
 from ._summary.summary import Memory as Memory
@@ -117,6 +118,7 @@ __all__ = [
     "HookHandle",
     "HookaxError",
     "Interceptor",
+    "LabelledArray",
     "Memory",
     "Name",
     "Names",

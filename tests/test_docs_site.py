@@ -73,7 +73,7 @@ def public_docstrings() -> dict[str, str]:
 
 
 def api_html(site: Path) -> str:
-    return "\n".join((site / f"reference/{p.stem}/index.html").read_text() for p in API_PAGES)
+    return "\n".join((site / f"reference/{p.stem}.html").read_text() for p in API_PAGES)
 
 
 def test_api_page_shows_every_docstring_example_as_a_code_block(site: Path) -> None:
@@ -91,7 +91,7 @@ def test_api_page_shows_every_docstring_example_as_a_code_block(site: Path) -> N
 
 
 def test_api_page_example_of_intercept_is_highlighted_code(site: Path) -> None:
-    page = (site / "reference/interceptors/index.html").read_text()
+    page = (site / "reference/interceptors.html").read_text()
     section = page[page.index('id="hookax.intercept"') : page.index('id="hookax.Interceptor"')]
     blocks = HIGHLIGHT.findall(section)
     assert len(blocks) == 1 and "<code" in blocks[0]
@@ -114,8 +114,7 @@ def test_every_page_is_in_the_navigation(site: Path) -> None:
     nav = set(re.findall(r'href="([^"]*)" class="md-nav__link', index))
     for md in sorted(DOCS.rglob("*.md")):
         rel = md.relative_to(DOCS).with_suffix("")
-        url = f"{rel.parent.as_posix()}/" if rel.name == "index" else f"{rel.as_posix()}/"
-        url = "." if url == "./" else url
+        url = f"{rel.as_posix()}.html"  # use_directory_urls: false (opens from disk)
         assert url in nav, f"docs/{md.relative_to(DOCS)} is not in mkdocs.yml's nav"
 
 
@@ -172,7 +171,7 @@ def test_home_page_says_what_hookax_is_how_to_install_and_shows_it(site: Path) -
     assert "PyTorch-style hooks" in text(body)
     blocks = [text(block) for block in HIGHLIGHT.findall(body)]
     assert blocks[0].startswith('pip install ".[nnx]"')  # from a checkout: works today
-    assert "make dist" in text(body) and "getting-started/" in body
+    assert "make dist" in text(body) and "getting-started.html" in body
     assert blocks[1].startswith(">>> import") and "hx.capture" in blocks[1]
     assert IMG.findall(body) == ["images/attention.png"]
 
@@ -187,7 +186,7 @@ def test_api_reference_is_one_page_per_concept_with_a_table_first(site: Path) ->
         head = page.read_text().split("::: hookax.", 1)[0]
         table = re.findall(r"^\| \[`hx\.(\w+)`\]\(#hookax\.\w+\) \| .+ \|$", head, re.M)
         assert table == api_names(page), f"{page.name}: the table lists {table}"
-        built = (site / f"reference/{page.stem}/index.html").read_text()
+        built = (site / f"reference/{page.stem}.html").read_text()
         first = built.index("<table>")
         assert first < built.index('class="doc doc-heading"'), page.name
         for name in table:  # each row links to its entry
@@ -198,7 +197,7 @@ def test_api_reference_is_one_page_per_concept_with_a_table_first(site: Path) ->
 
 
 def test_cli_page_shows_the_commands_own_help(site: Path) -> None:
-    page = text((site / "reference/cli/index.html").read_text())
+    page = text((site / "reference/cli.html").read_text())
     for sub in ["summary", "ops", "gradflow", "stats-plot", "profile", "harvest"]:
         assert f"usage: hookax {sub} [-h]" in page
     assert "did you mean" not in page and "<!-- hookax-help" not in page
@@ -231,10 +230,38 @@ def test_no_code_line_is_wider_than_88_columns(site: Path) -> None:
 def test_getting_started_benchmarks_and_the_light_dark_toggle(site: Path) -> None:
     index = (site / "index.html").read_text()
     nav = re.findall(r'href="([^"]*)" class="md-nav__link', index)
-    assert {"getting-started/", "tour/", "benchmarks/", "reference/"} <= set(nav)
-    started = text((site / "getting-started/index.html").read_text())
+    assert {"getting-started.html", "tour.html", "benchmarks.html", "reference/index.html"} <= set(
+        nav
+    )
+    started = text((site / "getting-started.html").read_text())
     assert 'pip install ".[nnx]"' in started and "hx.capture" in started
     assert "hx.register_forward_hook" in started and "hx.show" in started
     # the light/dark toggle: two palettes, each with the switch to the other
     assert index.count('data-md-color-scheme="default"') + index.count("slate") >= 2
     assert "Switch to the dark theme" in index and "Switch to the light theme" in index
+
+
+HREF = re.compile(r'\b(?:href|src)="([^"#?]+)[^"]*"')
+
+
+def test_every_link_opens_from_disk(site: Path) -> None:
+    """Opened as files (site/index.html in a browser, no server), every relative link of every
+    page names a file, never a folder (a browser shows a folder as a listing)."""
+    broken = []
+    for page in site.rglob("*.html"):
+        for link in HREF.findall(page.read_text()):
+            if re.match(r"[a-z][a-z0-9+.-]*:", link) or link.startswith(("/", "//")):
+                continue  # another site, data:, mailto:
+            target = (page.parent / html.unescape(link)).resolve()
+            if not target.is_file():
+                broken.append(f"{page.relative_to(site)} -> {link}")
+    assert not broken, "\n".join(broken[:20])
+
+
+def test_code_blocks_fit_88_columns_or_wrap(site: Path) -> None:
+    """The stylesheet that fits 88 columns of code at 1280 px (the width of every code line:
+    test_no_code_line_is_wider_than_88_columns) and wraps a longer line rather than cutting it
+    is in the site."""
+    assert 'href="stylesheets/extra.css"' in (site / "index.html").read_text()
+    css = (site / "stylesheets" / "extra.css").read_text()
+    assert "white-space: pre-wrap" in css and "font-size: 0.74em" in css

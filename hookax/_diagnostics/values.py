@@ -98,7 +98,8 @@ def show(values: Any) -> Any:
         any pytree of arrays (rows named by their paths), or a hookax result that is a table
         of its own ([`hx.Stats`][hookax.Stats], [`hx.Summary`][hookax.Summary],
         [`hx.Ops`][hookax.Ops], [`hx.Profile`][hookax.Profile],
-        [`hx.GradFlow`][hookax.GradFlow], [`hx.Nonfinite`][hookax.Nonfinite], ...).
+        [`hx.GradFlow`][hookax.GradFlow], [`hx.Nonfinite`][hookax.Nonfinite], a grid's
+        [`hx.LabelledArray`][hookax.LabelledArray], ...).
 
     Returns:
       For arrays, a [`hx.Values`][hookax.Values]; for a hookax result, the result itself.

@@ -12,7 +12,7 @@ a forward pre-hook (:mod:`.inputs`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -23,6 +23,7 @@ from .._engine.select import Select
 from .._patching import compiled
 from .._patching.grid import patch_grid
 from .._patching.heads import head_size_error
+from .._patching.labelled import LabelledArray, Unpatched
 from .._util.errors import HookaxError
 from .inputs import input_grid
 from .names import Name, Names
@@ -31,6 +32,7 @@ from .resid import Components
 __all__ = ["patch_block_every", "patch_head_every"]
 
 HEAD_KINDS = ("z", "q", "k", "v", "pattern")
+TITLE = "patched metric"
 
 
 def count_layers(fn: Any, args: tuple[Any, ...], where: str) -> int:
@@ -66,7 +68,7 @@ def patch_block_every(
     positions: Any = "each",
     axis: int = 1,
     chunk_size: int | None = None,
-) -> jax.Array:
+) -> LabelledArray:
     """Every block's ``resid_pre``, attention output and MLP output patched from the clean run,
     one at a time, at each position: ``[3, n_layers, n_positions]`` (``positions=None``:
     whole values, ``[3, n_layers]``), as TransformerLens' ``get_act_patch_block_every``.
@@ -74,6 +76,10 @@ def patch_block_every(
     ``components`` needs ``blocks``, ``attn`` and ``mlp``. Row 0 is ``resid_pre``: block
     ``l``'s input, patched as block ``l - 1``'s output for ``l > 0`` (the same value) and as
     block 0's input for ``l = 0``.
+
+    Returns a [`hx.LabelledArray`][hookax.LabelledArray]: its axes ``component``
+    (``resid_pre``, ``attn_out``, ``mlp_out``), ``layer`` (``L0``...) and ``position``, with
+    the metric of the clean and corrupted runs.
     """
     who = "hx.patch_block_every"
     c = components
@@ -99,7 +105,10 @@ def patch_block_every(
         fn, clean_args, corrupt_args, metric, [str(blocks.layer(0))], axis=axis, n_positions=n_pos
     )
     resid = jnp.concatenate([first, grid[2 * n :]])
-    return jnp.stack([resid, grid[:n], grid[n : 2 * n]])
+    out = jnp.stack([resid, grid[:n], grid[n : 2 * n]])
+    axes = ("component", "layer", "position")[: out.ndim]
+    labels = [("resid_pre", "attn_out", "mlp_out"), [f"L{i}" for i in range(n)], grid.columns]
+    return LabelledArray(out, axes, labels[: len(axes)], unpatched=grid.unpatched, title=TITLE)
 
 
 def patch_head_every(
@@ -112,7 +121,7 @@ def patch_head_every(
     which: tuple[str, ...] = HEAD_KINDS,
     positions: Any = "each",
     chunk_size: int | None = None,
-) -> jax.Array:
+) -> LabelledArray:
     """Every head's ``z`` (its output before the output projection), queries, keys, values and
     pattern patched from the clean run, one head and position at a time, in TransformerLens'
     layout: ``[len(which), n_layers, n_positions, n_heads]`` as
@@ -124,11 +133,16 @@ def patch_head_every(
     position): [`hx.transformer_names`][hookax.transformer_names] gives them for Flax's and
     Equinox's attention modules. ``hx.patch_grid``'s own layout is ``[target, head, position]``:
     this is its transpose.
+
+    Returns a [`hx.LabelledArray`][hookax.LabelledArray]: its axes ``kind`` (``which``),
+    ``layer`` (``L0``...), ``position`` and ``head`` (``H0``...), with the metric of the
+    clean and corrupted runs when a kind other than ``z`` ran (``z`` alone: None).
     """
     who = "hx.patch_head_every"
     _positions(positions, who)
     n = count_layers(fn, corrupt_args, str(names[which[0]]).partition(":")[0])
-    out = []
+    out: list[Any] = []
+    unpatched: Unpatched | None = None  # the first grid's (none for z alone)
     for kind in which:
         name = names[kind]
         heads = names.axis(kind, "head")
@@ -166,8 +180,14 @@ def patch_head_every(
                 chunk_size=chunk_size,
                 n_heads=names.n_heads,
             )
+            unpatched = grid.unpatched if unpatched is None else unpatched
         out.append(grid if positions is None else jnp.swapaxes(grid, 1, 2))
-    return jnp.stack(out)
+    values = jnp.stack(out)
+    axes = ("kind", "layer", "head") if positions is None else ("kind", "layer", "position", "head")
+    hs = [f"H{h}" for h in range(values.shape[-1])]
+    labels: list[Sequence[str]] = [which, [f"L{i}" for i in range(n)]]
+    labels += [hs] if positions is None else [[str(p) for p in range(values.shape[2])], hs]
+    return LabelledArray(values, axes, labels, unpatched=unpatched, title=TITLE)
 
 
 def _input_spec(fn: Any, args: tuple[Any, ...], site: str) -> Any:

@@ -23,6 +23,7 @@ from ..frameworks._functions import as_program
 from . import compiled, targets
 from .grid import Plan, capture_targets
 from .heads import patch_mask
+from .labelled import LabelledArray
 from .patch import PatchError, position_mask, shifting, split_input
 
 __all__ = ["attribution_patch"]
@@ -183,7 +184,7 @@ def attribution_patch(
     heads: int | None = None,
     positions: Any = "each",
     axis: int = 1,
-) -> jax.Array:
+) -> LabelledArray:
     """The grid of [`hx.patch_grid`][hookax.patch_grid] to first order: the estimated change of
     the metric.
 
@@ -207,7 +208,9 @@ def attribution_patch(
       metric: ``fn``'s output -> a scalar.
 
     Returns:
-      An array laid out as [`hx.patch_grid`][hookax.patch_grid]'s, in float32.
+      A [`hx.LabelledArray`][hookax.LabelledArray] laid out and labelled as
+      [`hx.patch_grid`][hookax.patch_grid]'s, in float32, its values changes of the metric
+      (``delta``), with the metric of the clean and the corrupted run.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -224,7 +227,7 @@ def attribution_patch(
 
     fn = as_program(fn)  # a program without modules: its own call sites
 
-    def run() -> jax.Array:
+    def run() -> LabelledArray:
         plan = Plan(WHO, fn, clean_args, corrupt_args, metric, where, positions, axis, ops, heads)
         shapes = tuple(tuple(plan.shapes[k].shape) for k in plan.keys)
         spec = _Spec(
@@ -238,6 +241,7 @@ def attribution_patch(
             plan.clean_rest,
             plan.plain,
         )
-        return _attribute(spec, plan.dyn, plan.mdyn, plan.clean_dyn, plan.cols)
+        est = _attribute(spec, plan.dyn, plan.mdyn, plan.clean_dyn, plan.cols)
+        return plan.labelled(est, delta=True, title="estimated change of the metric")
 
     return compiled.retrying(WHO, (fn, metric), run)

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from .._engine.select import check_glob, glob_to_regex
 from .._util.errors import HookaxError, SelectorError
+from .labelled import LabelledArray
 from .patch import PatchError
 
 __all__ = ["logit_lens", "split_heads", "stack_layers"]
@@ -110,7 +111,7 @@ def _layer_globs(keys: list[str]) -> list[tuple[str, int]]:
 
 def logit_lens(
     readout: Callable[[Any], Any], acts: Mapping[str, tuple[Any, ...]], where: str = "layers/*"
-) -> Any:
+) -> LabelledArray:
     """``readout`` applied to every layer's value: ``[layer, *readout's output]``.
 
     With ``readout`` the model's final norm and unembedding, this is the logit lens (what each
@@ -118,10 +119,18 @@ def logit_lens(
     [`hx.stack_layers`][hookax.stack_layers] (unrolled or scanned); ``readout`` runs under
     ``jax.vmap`` over them.
 
+    Returns:
+      A [`hx.LabelledArray`][hookax.LabelledArray] whose ``rows`` name the layers: the keys
+      ``where`` matched, or ``key[i]`` for the layers of one key's value (``key#i`` for its
+      calls); the readout's axes are not labelled.
+
     Examples:
       >>> import jax.numpy as jnp
       >>> acts = {"layers/0": (jnp.ones((1, 2)),), "layers/1": (2 * jnp.ones((1, 2)),)}
-      >>> logit_lens(lambda h: h.sum(-1), acts)
+      >>> lens = logit_lens(lambda h: h.sum(-1), acts)
+      >>> lens
+      LabelledArray(f32[2,1], layer=['layers/0', 'layers/1'])
+      >>> lens.values
       Array([[2.],
              [4.]], dtype=float32)
     """
@@ -145,11 +154,29 @@ def logit_lens(
         stacked = None
     if stacked is None:
         _missing(where, acts, "hx.logit_lens(readout, acts, ")
-    return jax.vmap(readout)(stacked)
+    values = jax.vmap(readout)(stacked)
+    return LabelledArray(values, ("layer",), (_layer_names(acts, where),), title="readout")
 
 
 class _ArgumentOrder(HookaxError, TypeError):
     """Arguments of the wrong kinds, in the wrong order."""
+
+
+def _layer_names(acts: Mapping[str, tuple[Any, ...]], where: str) -> list[str]:
+    """The names of :func:`stack_layers`' layers: the matched keys, a key's calls (``#i``),
+    or the layers stacked in one value (``[i]``)."""
+    path, _, method = where.partition(":")
+    if "*" not in path:
+        values = acts[where]
+        if len(values) > 1:
+            return [f"{where}#{i}" for i in range(len(values))]
+        return [f"{where}[{i}]" for i in range(jnp.shape(values[0])[0])]
+    rx = glob_to_regex(path)
+    return [
+        k
+        for k in acts
+        if rx.fullmatch(k.partition(":")[0]) and k.partition(":")[2] == (method or "")
+    ]
 
 
 def split_heads(x: Any, n_heads: int, axis: int = -1) -> jax.Array:

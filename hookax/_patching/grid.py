@@ -32,6 +32,7 @@ from .._util.errors import HookaxError
 from ..frameworks._functions import as_program
 from . import compiled, cutgrid, targets
 from .heads import check_heads, discover_ops, full_mask, op_edit
+from .labelled import LabelledArray, Unpatched, labels_of_columns
 from .patch import PatchError, patching, split_input
 
 __all__ = ["Plan", "patch_grid"]
@@ -328,6 +329,24 @@ class Plan:
             return parts[0][0]
         return _assemble(parts, self.layout, self.n_heads is not None and self.cols is not None)
 
+    def labels(self) -> tuple[tuple[str, ...], list[tuple[str, ...]]]:
+        """The grid's axes and their labels: targets, heads (``H0``...), columns."""
+        axes, labels = ["target"], [tuple(self.keys)]
+        if self.n_heads is not None:
+            axes.append("head")
+            labels.append(tuple(f"H{h}" for h in range(self.n_heads)))
+        if self.cols is not None:
+            axes.append("position")
+            labels.append(labels_of_columns(self.cols))
+        return tuple(axes), labels
+
+    def labelled(self, values: Any, **kw: Any) -> LabelledArray:
+        """``values`` labelled as this plan's grid; the metric of the unpatched clean and
+        corrupted runs is computed when first read (:class:`~.labelled.Unpatched`)."""
+        axes, labels = self.labels()
+        runs = (self.rest, self.clean_rest, self.metric, self.dyn, self.clean_dyn, self.mdyn)
+        return LabelledArray(values, axes, labels, unpatched=Unpatched(runs=runs), **kw)
+
     def compiled(self, chunk_size: int | None) -> Any:
         """The compiled program of one chunk (for its memory analysis)."""
         chunks = self.chunks(chunk_size)
@@ -360,7 +379,7 @@ def patch_grid(
     axis: int = 1,
     chunk_size: int | None = None,
     n_heads: int | None = None,
-) -> jax.Array:
+) -> LabelledArray:
     """The metric of the corrupted run with each target patched from the clean run, as a grid.
 
     For each target (a row) and each patch (a column), the corrupted run ``fn(*corrupt_args)``
@@ -410,9 +429,13 @@ def patch_grid(
         something else than heads.
 
     Returns:
-      ``[n_targets, n_columns, *metric's shape]`` (``[n_targets, *metric's shape]`` for
-      ``positions=None``), targets in the order of ``where`` then ``ops``; with ``heads=``, a
-      head axis after the targets': ``[n_targets, n_heads, n_columns, ...]``.
+      A [`hx.LabelledArray`][hookax.LabelledArray] ``[n_targets, n_columns, *metric's
+      shape]`` (``[n_targets, *metric's shape]`` for ``positions=None``), targets in the order
+      of ``where`` then ``ops``; with ``heads=``, a head axis after the targets':
+      ``[n_targets, n_heads, n_columns, ...]``. It is used as that array, and carries the
+      labels of its axes (``rows``: the targets' keys; ``H0``... for heads; ``columns``: the
+      positions) and the metric of the unpatched clean and corrupted runs (``clean``,
+      ``corrupted``: computed when first read, by one more program).
 
     Raises:
       SelectorError: a ``where=`` or ``ops=`` entry matched nothing (the message lists what
@@ -445,10 +468,10 @@ def patch_grid(
     if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
         raise PatchError(f"{WHO}: chunk_size= takes a positive int or None, got {chunk_size!r}.")
 
-    def run() -> jax.Array:
+    def run() -> LabelledArray:
         plan = Plan(
             WHO, fn, clean_args, corrupt_args, metric, where, positions, axis, ops, heads, n_heads
         )
-        return plan.grid(chunk_size)
+        return plan.labelled(plan.grid(chunk_size), title="patched metric")
 
     return compiled.retrying(WHO, (fn, metric), run)

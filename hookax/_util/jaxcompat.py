@@ -74,6 +74,7 @@ __all__ = [
     "mlir",
     "pe",
     "pjit",
+    "register_aval",
     "scan_counts",
     "scan_params",
     "source_info_util",
@@ -236,3 +237,10 @@ def mesh_context(ctx: Any) -> Any:
     if mesh is None or mesh == get_abstract_mesh():
         return contextlib.nullcontext()
     return ctx.manager
+
+
+def register_aval(cls: type, aval_of: Any) -> None:
+    """Give ``jax.typeof`` the abstract value of ``cls``, a Python subclass of ``jax.Array``
+    that is a pytree around an array (``hx.LabelledArray``): libraries that test
+    ``isinstance(x, jax.Array)`` then ask ``jax.typeof(x)`` (Flax NNX does) get its array's."""
+    core.pytype_aval_mappings[cls] = aval_of
