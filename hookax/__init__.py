@@ -23,6 +23,12 @@ from ._capture.ops import intercept_op as intercept_op
 from ._capture.ops import named_scopes as named_scopes
 from ._capture.opslist import Ops as Ops
 from ._capture.opslist import ops as ops
+from ._circuits.attribute import edge_attribution as edge_attribution
+from ._circuits.circuit import faithfulness as faithfulness
+from ._circuits.circuit import prune_edges as prune_edges
+from ._circuits.circuit import run_circuit as run_circuit
+from ._circuits.edges import Edges as Edges
+from ._circuits.paths import path_patch as path_patch
 from ._diagnostics.gradflow import GradFlow as GradFlow
 from ._diagnostics.gradflow import grad_flow as grad_flow
 from ._diagnostics.gradflow import layer_grad_norms as layer_grad_norms
@@ -106,6 +112,7 @@ __all__ = [
     "ActivationStore",
     "Components",
     "Context",
+    "Edges",
     "GradFlow",
     "HookError",
     "HookHandle",
@@ -143,6 +150,8 @@ __all__ = [
     "attribution_patch",
     "capture",
     "compilation_cache",
+    "edge_attribution",
+    "faithfulness",
     "find_nonfinite",
     "grad_flow",
     "harvest",
@@ -161,16 +170,19 @@ __all__ = [
     "patch_grid",
     "patch_head_every",
     "patching",
+    "path_patch",
     "plot_grad_flow",
     "plot_stats",
     "profile",
     "program",
+    "prune_edges",
     "read_events",
     "register_forward_hook",
     "register_forward_pre_hook",
     "register_full_backward_hook",
     "register_full_backward_pre_hook",
     "remove_hooks",
+    "run_circuit",
     "show",
     "splice_eval",
     "split_heads",

@@ -29,6 +29,9 @@ def traces() -> TraceCounter:
 # after `make test`, so `make test` stays under about 6 minutes. Node-id prefixes; the docs'
 # pages are doctests and cannot carry a decorator.
 SLOW = (
+    "docs/circuits.md::",
+    "tests/test_induction.py::test_a_few_steps_lower_the_loss_and_the_cache_reloads_the_weights",
+    "tests/test_induction.py::test_training_learns_induction_heads_that_read_the_previous_token_head",
     "docs/attention.md::",
     "docs/from_transformer_lens.md::",
     "docs/patching.md::",

@@ -35,6 +35,14 @@ class Components:
         ``nn.Dense``: give ``n_heads``) or on their own axis (``nnx.MultiHeadAttention``'s
         ``out``, Linen's ``DenseGeneral``).
       n_heads: the number of heads, for a projection of concatenated heads.
+      qkv: the attention's query, key and value projections (``("blocks/*/attn/query",
+        "blocks/*/attn/key", "blocks/*/attn/value")``), whose inputs are each head's query, key
+        and value inputs: the receivers of [`hx.edge_attribution`][hookax.edge_attribution]'s
+        edges into heads.
+      norms: in pre-norm blocks, the norms before the attention and before the MLP
+        (``("blocks/*/ln1", "blocks/*/ln2")``; either may be None): the stream they read is the
+        receivers' input, each head's query, key and value reading a copy of its own through
+        the norm (needs ``n_heads``).
       norm_kind: ``"layer"`` or ``"rms"`` when the final norm's type does not say (a Linen
         LayerNorm without a bias).
       norm_eps: the final norm's epsilon, for recomputing it (``accumulated_resid(apply_ln=
@@ -55,6 +63,8 @@ class Components:
     unembed: str | None = None
     heads: str | None = None
     n_heads: int | None = None
+    qkv: tuple[str, str, str] | None = None
+    norms: tuple[str | None, str | None] | None = None
     norm_kind: str | None = None
     norm_eps: float | None = None
     embed_rest: bool | None = None

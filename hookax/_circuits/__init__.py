@@ -1,0 +1,1 @@
+"""Circuits: the residual graph's edges, scored (EAP, EAP-IG) and rewired (circuits)."""
