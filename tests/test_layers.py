@@ -22,8 +22,10 @@ LAYERS: dict[str, set[str]] = {part: set(STACK[:i]) for i, part in enumerate(STA
 LAYERS |= {part: set(STACK) for part in FEATURES}
 LAYERS["_diagnostics"] = {*STACK, *FEATURES}
 LAYERS["_interp"] = {*STACK, "_patching"}  # TransformerLens' conveniences, on patching
+LAYERS["_circuits"] = {*STACK, "_patching", "_interp"}  # edges of TransformerLens' components
 LAYERS["_cli"] = {*STACK, *FEATURES, "_diagnostics", "examples"}
-LAYERS["examples"] = set()
+# The example models import nothing of hookax; the induction example also finds its circuit.
+LAYERS["examples"] = {*STACK, "_patching", "_interp", "_circuits"}
 # The public facade: hookax/__init__.py and __main__.py import anything; nothing imports them.
 FACADE = {"hookax", "hookax.__main__"}
 

@@ -4,7 +4,10 @@ Each example module defines ``make_model(rngs)`` (a Flax NNX model) and ``exampl
 (a tuple of ``jax.ShapeDtypeStruct``, the default input). The examples in :data:`PROGRAMS` are
 programs without modules (functions over a weight pytree, plain JAX): they define
 ``make_program()``, returning the function and its weights, in place of ``make_model``.
-Importing this package imports no framework; :func:`load` imports one example.
+Importing this package imports no framework; :func:`load` imports one example. The example
+models import nothing of hookax; ``induction`` (a model trained here, and the circuit hookax
+finds in it) may import :mod:`hookax._patching`, :mod:`hookax._interp`, :mod:`hookax._circuits`
+and the layers below them.
 """
 
 from __future__ import annotations
