@@ -8,7 +8,6 @@ value in place of its value in this run (as auto-circuit patches edges). The kee
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -22,22 +21,15 @@ from .._patching import compiled
 from .._util.errors import HookaxError
 from ..frameworks._functions import as_program
 from .edges import Edges
-from .graph import Graph, Rewire, check, discover, rewired
+from .graph import Graph, Rewire, Spec, check, discover, rewired
 
 __all__ = ["faithfulness", "prune_edges", "run_circuit"]
 
 WHO = "hx.run_circuit"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-    rest: compiled.Static
-    parts: Components
-    graph: Graph
-
-
 @functools.partial(jax.jit, static_argnums=0)
-def _run(spec: _Spec, dyn: list[Any], keep: Any) -> Any:
+def _run(spec: Spec, dyn: list[Any], keep: Any) -> Any:
     fn, clean_args, corrupt_args = compiled.join(dyn, spec.rest)
     _, corrupt = rewired(fn, spec.parts, Rewire(spec.graph), WHO)(*corrupt_args)
     rw = Rewire(spec.graph, corrupt=corrupt.values, keep=keep)
@@ -125,7 +117,7 @@ def run_circuit(
 
     def run() -> Any:
         dyn, rest = compiled.split((fn, tuple(clean_args), tuple(corrupt_args)))
-        return _run(_Spec(rest, parts, graph), dyn, keep)
+        return _run(Spec(rest, parts, graph), dyn, keep)
 
     return compiled.retrying(WHO, (fn,), run)
 

@@ -307,3 +307,13 @@ def discover(fn: Any, args: tuple[Any, ...], parts: Components, who: str) -> Gra
     if compiled.reusable(rest) and len(_GRAPHS) < 256:
         _GRAPHS[key] = found[0]
     return found[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """The static part of a compiled circuit program: the arguments' non-array rest (a
+    ``compiled.Static``), the model's parts and its graph."""
+
+    rest: Any
+    parts: Components
+    graph: Graph

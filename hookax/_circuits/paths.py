@@ -10,7 +10,6 @@ program, the patched runs mapped over their keep matrices.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,22 +22,15 @@ from .._interp.components import Components
 from .._patching import compiled
 from .._util.errors import HookaxError
 from ..frameworks._functions import as_program
-from .graph import Graph, Rewire, check, discover, rewired
+from .graph import Rewire, Spec, check, discover, rewired
 
 __all__ = ["path_patch"]
 
 WHO = "hx.path_patch"
 
 
-@dataclasses.dataclass(frozen=True)
-class _Spec:
-    rest: compiled.Static
-    parts: Components
-    graph: Graph
-
-
 @functools.partial(jax.jit, static_argnums=0)
-def _grid(spec: _Spec, dyn: list[Any], keeps: Any) -> Any:
+def _grid(spec: Spec, dyn: list[Any], keeps: Any) -> Any:
     fn, clean_args, corrupt_args, metric = compiled.join(dyn, spec.rest)
     _, corrupt = rewired(fn, spec.parts, Rewire(spec.graph), WHO)(*corrupt_args)
 
@@ -135,7 +127,7 @@ def path_patch(
     def run() -> Any:
         dyn, rest = compiled.split((fn, tuple(clean_args), tuple(corrupt_args), metric))
         flat = jnp.asarray(keeps.reshape(-1, *allowed.shape))
-        return _grid(_Spec(rest, parts, graph), dyn, flat)
+        return _grid(Spec(rest, parts, graph), dyn, flat)
 
     grid = compiled.retrying(WHO, (fn, metric), run).reshape(len(rows), len(cols))
     return jnp.where(jnp.asarray(empty), jnp.nan, grid)
