@@ -18,6 +18,7 @@ LINK = re.compile(r"\]\(([^)#]+\.md)\)")
 # benchmark commands, which the test suite does not run (the benchmarks run with `make bench`).
 SHOWN_ONLY = {
     "benchmarks.md",
+    "circuits.md",  # the full induction model's printout (`python -m hookax.examples.induction`)
     "from_transformer_lens.md",
     "getting-started.md",
     "models.md",  # its examples need the codebases: tests/models/test_models_page.py runs them
