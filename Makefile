@@ -56,7 +56,7 @@ typecheck: $(VENV)/.installed-dev
 
 # The whole suite on the locked newest set, a representative subset on the oldest supported set,
 # the docs site, each on PYTHON (the oldest set has no Python 3.13 wheels: with PYTHON=python3.13
-# it runs on 3.11, and says so). About 12 minutes on 2 cores (Python 3.11). CI (.ci/run) also runs
+# it runs on 3.11, and says so). About 18 minutes on 2 cores (Python 3.11). CI (.ci/run) also runs
 # test-wheel: the built wheel installed with each extra into fresh venvs (about a minute more).
 test: lint typecheck test-newest test-oldest docs
 
