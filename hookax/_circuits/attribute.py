@@ -146,6 +146,14 @@ def edge_attribution(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise HookaxError(f"{WHO}: steps= takes a positive int, got {steps!r}.")
     fn = as_program(fn)
+    dyn, _ = compiled.split((fn, tuple(clean_args), tuple(corrupt_args), metric))
+    if any(isinstance(x, jax.core.Tracer) for x in dyn):
+        raise HookaxError(
+            f"{WHO}: called inside jax.jit (or another transform): its arguments are traced, "
+            f"and the hx.Edges it returns holds concrete scores (numpy) to rank, print and "
+            f"draw. Fix: call it outside jax.jit; it compiles its own program (the model may "
+            f"be jitted elsewhere). hx.run_circuit and hx.path_patch trace inside jax.jit."
+        )
     graph = discover(fn, tuple(clean_args), components, WHO)
 
     def run() -> Any:

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._engine import context as _context
 from .._engine.select import Select, glob_to_regex
 from .._hooks.intercept import intercept
 from .._interp.components import Components, as_tuple
@@ -73,6 +74,7 @@ class Rewire:
     keep: Any = None
     alpha: Any = None
     corrupt_embeds: Mapping[str, Any] | None = None
+    top: Any = None  # discovery: the trace the model's call starts in (see _Run.unrolled)
 
 
 class _Run:
@@ -131,6 +133,8 @@ class _Run:
         role = self.role(context.key)
         if role is None or not args:
             return next_fun(*args, **kwargs)
+        if self.rewire.top is not None:
+            self.unrolled(context)
         x, rest = args[0], args[1:]
         if role == "embed":
             y = next_fun(*args, **kwargs)
@@ -156,6 +160,40 @@ class _Run:
         if role == "attn_norm":
             return self._attn_norm(next_fun, x, rest, kwargs)
         return next_fun(self.shifted("logits", x), *rest, **kwargs)  # the readout
+
+    def unrolled(self, context: Any) -> None:
+        """Raise unless the call site runs in the trace the model's call started in: a value
+        made inside a ``jax.vmap``, a scan or another transform the model applies itself
+        cannot be read by the receivers after it (nor leave the run)."""
+        here = _context.current_trace()
+        if here is self.rewire.top:
+            return
+        if _context.vmaps_between(here, self.rewire.top):
+            where = (
+                "a jax.vmap (Equinox's layers map the positions so, e.g. eqx.nn.Linear and "
+                "eqx.nn.MultiheadAttention's projections; or a vmap over the batch around the "
+                "model)"
+            )
+            fix = (
+                "write the parts that the components name on whole arrays, batch and "
+                "positions included (x @ weight + bias), and give the model, not "
+                "jax.vmap(model)"
+            )
+        elif context._frame.in_scan():
+            where = "a scan over stacked layers (nnx.scan, nn.scan, lax.scan)"
+            fix = (
+                "run the layers in a Python loop (for i in range(n_layers): "
+                "x = layer_i(x)), e.g. one model with the scanned weights split per layer"
+            )
+        else:
+            where = "a transform the model applies itself (jax.checkpoint / remat, a cond, a loop)"
+            fix = "call the parts outside the transform (e.g. without remat)"
+        raise HookaxError(
+            f"{self.who}: the call site {context.key!r} runs inside {where}. The residual "
+            f"graph is read off one run in which every layer's parts are called one after "
+            f"another, each value visible to the parts after it; a value made inside a "
+            f"transform is not. Fix: {fix}."
+        )
 
     def _n_heads(self, x: Any, y: Any, what: str) -> int | None:
         """The heads on their own axis (-2 of ``x``): None; concatenated: ``n_heads``."""
@@ -300,7 +338,7 @@ def discover(fn: Any, args: tuple[Any, ...], parts: Components, who: str) -> Gra
 
     def run(dyn: list[Any]) -> None:
         f, a = compiled.join(dyn, rest)
-        _, r = rewired(f, parts, Rewire(), who)(*a)
+        _, r = rewired(f, parts, Rewire(top=_context.current_trace()), who)(*a)
         found.append(r.graph())
 
     jax.eval_shape(run, dyn)
