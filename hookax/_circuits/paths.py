@@ -20,6 +20,7 @@ import numpy as np
 
 from .._interp.components import Components
 from .._patching import compiled
+from .._patching.labelled import LabelledArray, Unpatched
 from .._util.errors import HookaxError
 from ..frameworks._functions import as_program
 from .graph import Rewire, Spec, check, discover, rewired
@@ -67,7 +68,7 @@ def path_patch(
     *,
     senders: Any,
     receivers: Any,
-) -> jax.Array:
+) -> LabelledArray:
     """The metric with each sender's value corrupted only on its way into chosen receivers:
     a ``[sender, receiver]`` grid.
 
@@ -91,7 +92,10 @@ def path_patch(
       receivers: receiver labels (``"L1H2.k"``, ``"logits"``) or groups of them.
 
     Returns:
-      A float32 array ``[len(senders), len(receivers)]``.
+      A float32 [`hx.LabelledArray`][hookax.LabelledArray] ``[len(senders), len(receivers)]``
+      (an array, its rows named by the senders and its columns by the receivers, a group's
+      labels joined by ``+``; its ``clean`` and ``corrupted`` the metric of the unpatched
+      runs); [`plot`][hookax.LabelledArray.plot] draws it.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -106,6 +110,8 @@ def path_patch(
       ...                      receivers=["L1H0.k", "L1H1.k", ("L1H0.q", "L1H1.q"), "L0H0.q"])
       >>> grid.shape, bool(jnp.isnan(grid[:, 3]).all())
       ((2, 4), True)
+      >>> grid.rows, grid.columns
+      (('L0H0', 'L0H1'), ('L1H0.k', 'L1H1.k', 'L1H0.q+L1H1.q', 'L0H0.q'))
     """
     parts = check(components, WHO)
     fn = as_program(fn)
@@ -130,4 +136,14 @@ def path_patch(
         return _grid(Spec(rest, parts, graph), dyn, flat)
 
     grid = compiled.retrying(WHO, (fn, metric), run).reshape(len(rows), len(cols))
-    return jnp.where(jnp.asarray(empty), jnp.nan, grid)
+    values = jnp.where(jnp.asarray(empty), jnp.nan, grid)
+    dyn, rest = compiled.split((fn, tuple(corrupt_args)))
+    clean_dyn, clean_rest = compiled.split((fn, tuple(clean_args)))
+    mdyn, mrest = compiled.split(metric, ints=True)
+    return LabelledArray(
+        values,
+        ("sender", "receiver"),
+        ([s for (s,) in rows], ["+".join(g) for g in cols]),
+        unpatched=Unpatched(runs=(rest, clean_rest, mrest, dyn, clean_dyn, mdyn)),
+        title="path-patched metric",
+    )
