@@ -551,3 +551,51 @@ def test_pre_norm_blocks_as_the_hand_forward():
         f"L1H{b}.k": sum(corrupt[f"L0H{a}"] - clean[f"L0H{a}"] for a in range(2)) for b in range(2)
     }
     np.testing.assert_allclose(y, hand_prenorm(model, CLEAN, extra)[0], atol=1e-5)
+
+
+def test_path_patch_is_a_labelled_array_of_senders_by_receivers(model):
+    parts = induction.components()
+    receivers = ["L1H0.k", ("L1H0.q", "L1H1.q"), "logits"]
+    grid = hx.path_patch(
+        model, (CLEAN,), (CORRUPT,), metric, parts, senders=["embed", "L0H1"], receivers=receivers
+    )
+    assert isinstance(grid, hx.LabelledArray) and isinstance(grid, jax.Array)
+    assert grid.axes == ("sender", "receiver") and grid.rows == ("embed", "L0H1")
+    assert grid.columns == ("L1H0.k", "L1H0.q+L1H1.q", "logits")
+    assert grid.clean == pytest.approx(float(metric(model(CLEAN))), rel=1e-6)
+    assert grid.corrupted == pytest.approx(float(metric(model(CORRUPT))), rel=1e-6)
+    _, clean = hand(model, CLEAN)
+    _, corrupt = hand(model, CORRUPT)
+    d = corrupt["L0H1"] - clean["L0H1"]
+    want = metric(hand(model, CLEAN, {"L1H0.q": d, "L1H1.q": d})[0])
+    assert float(grid[1, 1]) == pytest.approx(float(want), rel=1e-5, abs=1e-5)
+    fig = grid.plot()
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["embed", "L0H1"]
+    assert [t.get_text() for t in ax.get_xticklabels()] == list(grid.columns)
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("receiver", "sender")
+
+
+def test_edges_plot_draws_the_top_k_edges_by_layer(model):
+    edges = hx.edge_attribution(model, (CLEAN,), (CORRUPT,), metric, induction.components())
+    fig = edges.plot(5)
+    assert fig._repr_png_().startswith(b"\x89PNG")  # a notebook shows it as an image
+    ax = fig.axes[0]
+    top = edges.top(5)
+    arrows = ax.patches[::-1]  # drawn weakest first
+    assert [a.get_gid() for a in arrows] == [f"{s}->{d}" for s, d in top]
+    widths = [a.get_linewidth() for a in arrows]
+    assert widths[0] == pytest.approx(5.0)  # the largest |score|
+    want = [0.6 + 4.4 * abs(v) / abs(top.scores[0]) for v in top.scores]
+    np.testing.assert_allclose(widths, want, rtol=1e-6)
+    for a, v in zip(arrows, top.scores):
+        blue = a.get_edgecolor()[2] > a.get_edgecolor()[0]
+        assert blue == (v >= 0)
+    nodes = {t.get_text(): t.get_position() for t in ax.texts}
+    assert set(nodes) == {"embed", "pos_embed", "L0H0", "L0H1", "L1H0", "L1H1", "logits"}
+    assert nodes["embed"][1] == nodes["pos_embed"][1] == 0 and nodes["L0H0"][1] == 1
+    assert nodes["L1H1"][1] == 2 and nodes["logits"][1] == 3
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "embeddings", "layer 0 heads", "layer 1 heads", "logits"
+    ]  # fmt: skip
+    assert len(edges.plot().axes[0].patches) == len(edges) == 42
