@@ -391,3 +391,27 @@ def test_parts_inside_a_scan_or_a_vmap_raise_naming_the_call_site_and_the_fix():
         r"parts that the components name on whole arrays",
     ):
         hx.run_circuit(jax.vmap(gpt), (CLEAN,), (CORRUPT,), [], parts)
+
+
+def remat_program(weights, tokens):
+    x = embed(tokens, weights["E"])
+    for w in weights["layers"]:
+        x = x + jax.checkpoint(attn)(x, w)
+    return unembed(x, weights)
+
+
+def test_parts_under_a_checkpoint_of_the_models_own_raise():
+    with pytest.raises(
+        hx.HookaxError,
+        match=r"hx.path_patch: the call site 'attn/0/query' runs inside a transform the model "
+        r"applies itself \(jax.checkpoint / remat, a cond, a loop\).*Fix: call the parts outside",
+    ):
+        hx.path_patch(
+            remat_program,
+            (W, CLEAN),
+            (W, CORRUPT),
+            metric,
+            _parts("/", "attn/*"),
+            senders=["embed"],
+            receivers=["logits"],
+        )

@@ -138,12 +138,16 @@ class Edges:
         bends = {"q": 0.25, "k": 0.0, "v": -0.25}
         for s, d, v in reversed(list(zip(shown.sources, shown.destinations, shown.scores))):
             kind = d.rsplit(".", 1)[1] if "." in d else ""
+            (x0, y0), (x1, y1) = at[s], at[_node(d)]
+            bend = bends.get(kind, 0.1)
+            if y1 - y0 > 1 and abs(x1 - x0) < 0.5:  # past the nodes between them
+                bend += 0.35 if bend >= 0 else -0.35
             arrow = FancyArrowPatch(
                 at[s],
                 at[_node(d)],
                 arrowstyle="-|>",
                 mutation_scale=10,
-                connectionstyle=f"arc3,rad={bends.get(kind, 0.1)}",
+                connectionstyle=f"arc3,rad={bend}",
                 linestyle=styles.get(kind, "-"),
                 linewidth=0.6 + 4.4 * abs(float(v)) / top,
                 color="tab:blue" if v >= 0 else "tab:red",
