@@ -134,7 +134,7 @@ class Edges:
             )
             for n, (x, y) in at.items()
         }
-        styles = {"q": ":", "k": "--", "v": "-"}
+        styles: dict[str, Any] = {"q": ":", "k": "--", "v": "-"}
         bends = {"q": 0.25, "k": 0.0, "v": -0.25}
         for s, d, v in reversed(list(zip(shown.sources, shown.destinations, shown.scores))):
             kind = d.rsplit(".", 1)[1] if "." in d else ""
