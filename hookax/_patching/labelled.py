@@ -56,8 +56,8 @@ class LabelledArray(jax.Array):
     values: what [`hx.patch_grid`][hookax.patch_grid],
     [`hx.attribution_patch`][hookax.attribution_patch],
     [`hx.patch_block_every`][hookax.patch_block_every],
-    [`hx.patch_head_every`][hookax.patch_head_every] and [`hx.logit_lens`][hookax.logit_lens]
-    return.
+    [`hx.patch_head_every`][hookax.patch_head_every], [`hx.logit_lens`][hookax.logit_lens]
+    and [`hx.path_patch`][hookax.path_patch] return.
 
     It is used as the array it holds: ``np.asarray(grid)``, ``grid[0, 2]``, ``grid - m``,
     ``jnp.abs(grid)``, ``grid.shape``, ``grid.reshape(...)``, NumPy's testing helpers, and
