@@ -1,8 +1,9 @@
 """Circuits on every kind of model hookax reads: the same two-layer attention-only transformer
-(two heads concatenated, biases everywhere) written for Equinox, Linen and as a plain program
-over a weight pytree, each from one set of weights, against one forward unrolled by hand; under
-``jax.jit`` with the model as an argument; and the models whose parts run inside a transform of
-their own (a scanned stack of layers, Equinox's ``jax.vmap``), which raise."""
+(two heads concatenated, biases everywhere) written for Equinox, Linen, Haiku and as a plain
+program over a weight pytree, each from one set of weights, against one forward unrolled by
+hand; under ``jax.jit`` with the model as an argument; and the models whose parts run inside a
+transform of their own (a scanned stack of layers, Equinox's ``jax.vmap``, a checkpoint), which
+raise."""
 
 import functools
 
@@ -212,13 +213,13 @@ def program(weights, tokens):
     return unembed(x, weights)
 
 
-def _parts(prefix, blocks):
+def _parts(blocks, out="out"):
     return hx.Components(
-        attn=f"{blocks}{prefix}",
+        attn=blocks,
         embed="embed",
         unembed="unembed",
-        heads=f"{blocks}{prefix}out",
-        qkv=tuple(f"{blocks}{prefix}{n}" for n in ("query", "key", "value")),
+        heads=f"{blocks}/{out}",
+        qkv=tuple(f"{blocks}/{n}" for n in ("query", "key", "value")),
         n_heads=H,
     )
 
@@ -228,23 +229,46 @@ def _case(kind):
     tokens)`` the arguments of a call with the model (or weights) passed to a jitted function."""
     if kind == "equinox":
         model = eqx_model()
-        return model, (CLEAN,), (CORRUPT,), _parts("/", "blocks/*"), model
+        return model, (CLEAN,), (CORRUPT,), _parts("blocks/*"), model
     if kind == "linen":
         params = linen_params()
         return (
             functools.partial(LinenModel().apply, params),
             (CLEAN,),
             (CORRUPT,),
-            (_parts("/", "blocks_*")),
+            (_parts("blocks_*")),
             params,
         )
-    return program, (W, CLEAN), (W, CORRUPT), _parts("/", "attn/*"), W
+    if kind == "haiku":
+        return haiku_model(), (CLEAN,), (CORRUPT,), _parts("attn_*", out="linear"), None
+    return program, (W, CLEAN), (W, CORRUPT), _parts("attn/*"), W
+
+
+def haiku_model():
+    """Haiku's ``hk.MultiHeadAttention`` (its projections ``query``, ``key``, ``value``, its
+    output ``linear``, heads concatenated), the weights ``W``."""
+    hk = pytest.importorskip("haiku")
+
+    def forward(tokens):
+        x = hk.Embed(V, D, name="embed")(tokens)
+        mask = jnp.tril(jnp.ones((1, 1, T, T), bool))
+        for i in range(2):
+            attention = hk.MultiHeadAttention(H, DH, w_init=jnp.zeros, name=f"attn_{i}")
+            x = x + attention(x, x, x, mask=mask)
+        return hk.Linear(V, name="unembed")(x)
+
+    names = {"q": "query", "k": "key", "v": "value", "o": "linear"}
+    params = {"embed": {"embeddings": W["E"]}, "unembed": {"w": W["U"], "b": W["bU"]}}
+    for i, w in enumerate(W["layers"]):
+        params |= {f"attn_{i}/{names[n]}": {"w": w[n], "b": w[f"b{n}"]} for n in "qkvo"}
+    apply = hk.transform(forward).apply
+    return lambda tokens: apply(params, None, tokens)
 
 
 KINDS = ["equinox", "linen", "program"]
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "haiku"])
 def test_eap_scores_are_the_hand_gradients_and_circuits_the_two_runs(kind):
     fn, clean, corrupt, parts, _ = _case(kind)
     np.testing.assert_allclose(fn(*clean), hand(CLEAN)[0], rtol=1e-5, atol=1e-5)
@@ -411,7 +435,7 @@ def test_parts_under_a_checkpoint_of_the_models_own_raise():
             (W, CLEAN),
             (W, CORRUPT),
             metric,
-            _parts("/", "attn/*"),
+            _parts("attn/*"),
             senders=["embed"],
             receivers=["logits"],
         )
