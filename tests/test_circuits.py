@@ -599,3 +599,31 @@ def test_edges_plot_draws_the_top_k_edges_by_layer(model):
         "embeddings", "layer 0 heads", "layer 1 heads", "logits"
     ]  # fmt: skip
     assert len(edges.plot().axes[0].patches) == len(edges) == 42
+
+
+def test_edges_plot_of_a_few_edges_or_none(model):
+    edges = hx.edge_attribution(model, (CLEAN,), (CORRUPT,), metric, induction.components())
+    top = edges.top(4)
+    ax = top.plot().axes[0]
+    arrows = [a.get_gid() for a in ax.patches[::-1]]
+    assert arrows == [f"{s}->{d}" for s, d in top]
+    nodes = {t.get_text(): t.get_position() for t in ax.texts}
+    assert set(nodes) == {s for s, _ in top} | {d.split(".")[0] for _, d in top}
+    assert len(top.top(0).plot().axes[0].patches) == 0
+    # a table in any order: each row's nodes by head, centred; widths by |score|
+    table = hx.Edges(
+        ("L0H1", "embed", "L0H0"),
+        ("L1H1.k", "L0H1.q", "logits"),
+        np.array([2.0, -1.0, 0.5], np.float32),
+    )
+    ax = table.plot().axes[0]
+    nodes = {t.get_text(): t.get_position() for t in ax.texts}
+    assert nodes == {
+        "embed": (0.0, 0), "L0H0": (-0.5, 1), "L0H1": (0.5, 1), "L1H1": (0.0, 2),
+        "logits": (0.0, 3),
+    }  # fmt: skip
+    widths = {a.get_gid(): a.get_linewidth() for a in ax.patches}
+    assert widths == pytest.approx({"L0H1->L1H1.k": 5.0, "embed->L0H1.q": 2.8, "L0H0->logits": 1.7})
+    assert [t.get_text() for t in ax.get_yticklabels()] == [
+        "embeddings", "layer 0 heads", "layer 1 heads", "logits"
+    ]  # fmt: skip

@@ -101,11 +101,14 @@ class Edges:
         rows = sorted(set(rank.values()))
         row_of = {n: rows.index(rank[n]) for n in nodes}
         at: dict[str, tuple[float, int]] = {}
+        width = 1
         for r in range(len(rows)):
-            here = [n for n in nodes if row_of[n] == r]
+            here = sorted(
+                (n for n in nodes if row_of[n] == r), key=lambda n: (_head(n), nodes.index(n))
+            )
+            width = max(width, len(here))
             for i, n in enumerate(here):
                 at[n] = (i - (len(here) - 1) / 2, r)
-        width = max(len([n for n in nodes if row_of[n] == r]) for r in range(len(rows)))
         if ax is None:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
 
@@ -225,6 +228,12 @@ _MLP = re.compile(r"MLP(\d+)")
 def _node(receiver: str) -> str:
     """The node a receiver belongs to: a head's query, key or value input is the head."""
     return receiver.rsplit(".", 1)[0] if _HEAD.fullmatch(receiver.rsplit(".", 1)[0]) else receiver
+
+
+def _head(node: str) -> int:
+    """A head's index in its layer (0 for every other node)."""
+    m = re.fullmatch(r"L\d+H(\d+)", node)
+    return int(m[1]) if m else 0
 
 
 def _rank(node: str) -> float:
