@@ -95,8 +95,8 @@ def compute(cfg: induction.Config = CFG) -> dict[str, np.ndarray]:
             model, (p["clean"],), (p["corrupt"],), metric, induction.components()
         )
         out[f"eap:{name}"] = edges.scores
-        out["sources"], out["destinations"] = np.asarray(edges.sources), np.asarray(edges.destinations)
-        out[f"metric:{name}"] = np.asarray([metric(model(p["clean"])), metric(model(p["corrupt"]))])
+        out["sources"], out["destinations"] = edges.sources, edges.destinations
+        out[f"metric:{name}"] = [metric(model(p["clean"])), metric(model(p["corrupt"]))]
     out["seconds"] = np.asarray([loaded, time.perf_counter() - start])
     return {k: np.asarray(v) for k, v in out.items()}
 
