@@ -376,7 +376,9 @@ def parity_circuits(session: nox.Session) -> None:
     top edges in the same order. Two venvs: auto-circuit needs NumPy < 2 (TransformerLens
     2.16.1), JAX 0.10 NumPy >= 2; ``parity_circuits_hookax`` computes hookax's side and this
     one, installed as ``parity`` installs (torch first, then the rest held to
-    tests/parity/constraints-circuits.txt), the torch side. Not ``make test``."""
+    tests/parity/constraints-circuits.txt), the torch side. About 4 minutes on 2 cores from
+    nothing (3 of them installing the torch side), 40 s with both venvs and the weights there;
+    not ``make test`` nor ``make test-parity``."""
     pins = _pins(CIRCUITS_PINS)
     session.install(pins["torch"])
     wanted = ("transformer-lens", "auto-circuit", "datasets", "pyarrow", "attrs", "pytest")
