@@ -12,6 +12,7 @@
     nox -s parity           # hookax against TransformerLens 3.9 on the same weights (torch, CPU)
     nox -s parity -- report # its agreement table and warm timings side by side, as Markdown
     nox -s parity_bridge    # hookax against TransformerLens 4's TransformerBridge (a tiny GPT-2)
+    nox -s parity_circuits  # EAP and induction scores against auto-circuit and TransformerLens 2
     nox -s models           # tests/models/: gemma, EasyDeL, MaxText, AlphaFold
 
 Each Python has its lock (``make lock`` refreshes all three): ``requirements-dev.lock`` (3.11,
@@ -345,6 +346,45 @@ def parity_bridge(session: nox.Session) -> None:
     session.install("-c", LOCKS[BASE], "-c", BRIDGE_PINS, "-e", ".[test]")
     env = {**ENV, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     args = session.posargs or ["tests/parity/test_bridge.py"]
+    session.run("python", "-m", "pytest", "-q", *args, env=env)
+
+
+CIRCUITS_PINS = "tests/parity/constraints-circuits.txt"
+# What the hookax side writes and the torch side reads, under nox's cache dir (.nox/.cache).
+CIRCUITS_DATA = "parity_circuits.npz"
+
+
+@nox.session(python=BASE, name="parity_circuits_hookax")
+def parity_circuits_hookax(session: nox.Session) -> None:
+    """The hookax side of ``parity_circuits`` (which runs it first): the small induction model
+    of docs/circuits.md, trained once and cached by ``induction.load_or_train`` (under
+    ``$HOOKAX_CACHE`` or ``~/.cache/hookax``), its weights, prompts, logits, induction scores
+    and ``hx.edge_attribution`` scores written to .nox/.cache/parity_circuits.npz. hookax with
+    the NNX extra and optax, on the lock."""
+    session.install("-c", LOCKS[BASE], "-e", ".[nnx]", "optax")
+    out = str(session.cache_dir / CIRCUITS_DATA)
+    session.run("python", "-m", "tests.parity.circuits_hookax", out, env=ENV)
+
+
+@nox.session(
+    python=BASE, venv_backend="venv", name="parity_circuits", requires=["parity_circuits_hookax"]
+)
+def parity_circuits(session: nox.Session) -> None:
+    """hookax's edge attribution patching and induction scores against auto-circuit 1.0.1 and
+    TransformerLens 2.16.1 on the same trained weights (tests/parity/test_circuits_parity.py):
+    the logits and induction scores agree to 1e-5, EAP's scores to 1e-4 of the largest, the
+    top edges in the same order. Two venvs: auto-circuit needs NumPy < 2 (TransformerLens
+    2.16.1), JAX 0.10 NumPy >= 2; ``parity_circuits_hookax`` computes hookax's side and this
+    one, installed as ``parity`` installs (torch first, then the rest held to
+    tests/parity/constraints-circuits.txt), the torch side. About 4 minutes on 2 cores from
+    nothing (3 of them installing the torch side), 40 s with both venvs and the weights there;
+    not ``make test`` nor ``make test-parity``."""
+    pins = _pins(CIRCUITS_PINS)
+    session.install(pins["torch"])
+    wanted = ("transformer-lens", "auto-circuit", "datasets", "pyarrow", "attrs", "pytest")
+    session.install("-c", CIRCUITS_PINS, *(pins[name] for name in wanted))
+    env = {**ENV, "HOOKAX_PARITY_CIRCUITS": str(session.cache_dir / CIRCUITS_DATA)}
+    args = session.posargs or ["tests/parity/test_circuits_parity.py"]
     session.run("python", "-m", "pytest", "-q", *args, env=env)
 
 
