@@ -109,8 +109,8 @@ def scale(la: LabelledArray, m: np.ndarray) -> tuple[float, float]:
         lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
         return (lo, hi) if hi > lo else (lo - 1.0, lo + 1.0)
     half = float(np.abs(finite - c).max()) if finite.size else 0.0
-    if la.clean is not None:
-        half = max(half, abs(la.clean - c))
+    if la.clean is not None and la.corrupted is not None:  # the scale reaches the clean run
+        half = max(half, abs(la.clean - la.corrupted))
     half = half or 1.0
     return c - half, c + half
 
@@ -267,9 +267,9 @@ def html(la: LabelledArray) -> str | None:
     out = [
         '<div class="hookax">',
         f"<style>.hookax-heatmap td {{{td}}} .hookax-heatmap th {{font-size:11px}}</style>",
+        f'<div style="font-weight:bold;margin-bottom:2px">{esc(heading(la))}</div>',
         '<table class="hookax-heatmap" style="border-collapse:collapse">',
     ]
-    out.append(f'<caption style="text-align:left"><b>{esc(heading(la))}</b></caption>')
     corner = esc(_corner(la))
     heads = "".join(f'<th style="text-align:right">{esc(c)}</th>' for c in cols[:HTML_COLS])
     out.append(f'<thead><tr><th style="text-align:left">{corner}</th>{heads}</tr></thead><tbody>')
