@@ -213,7 +213,7 @@ def test_patching_results_display_as_labelled_heatmaps(executed, cell):
     heading, corner, rows, cols = HEATMAPS[cell]
     page = _data(executed[cell])["text/html"]
     assert page.startswith('<div class="hookax">') and '<table class="hookax-heatmap"' in page
-    assert f'<div style="font-weight:bold;margin-bottom:2px">{heading}' in page
+    assert f'<div style="font-weight:bold;font-size:12px;margin-bottom:2px">{heading}' in page
     head = "".join(f'<th style="text-align:right">{c}</th>' for c in cols)
     assert f'<thead><tr><th style="text-align:left">{corner}</th>{head}</tr></thead>' in page
     body = page.split("<tbody>")[1]

@@ -263,11 +263,13 @@ def html(la: LabelledArray) -> str | None:
         else None
     )
     nm = matrix(norm)[2] if norm is not None else None
-    td = "padding:2px 4px;text-align:right;font-family:monospace;font-size:11px"
+    # cells without their numbers all as wide as a two-digit column label
+    size = "padding:2px 4px" if numbers else "padding:2px 1px;min-width:14px"
+    td = f"{size};text-align:right;font-family:monospace;font-size:11px"
     out = [
         '<div class="hookax">',
         f"<style>.hookax-heatmap td {{{td}}} .hookax-heatmap th {{font-size:11px}}</style>",
-        f'<div style="font-weight:bold;margin-bottom:2px">{esc(heading(la))}</div>',
+        f'<div style="font-weight:bold;font-size:12px;margin-bottom:2px">{esc(heading(la))}</div>',
         '<table class="hookax-heatmap" style="border-collapse:collapse">',
     ]
     corner = esc(_corner(la))
@@ -296,7 +298,8 @@ def html(la: LabelledArray) -> str | None:
             f"showing {min(len(rows), HTML_ROWS)} of {len(rows)} rows, "
             f"{min(len(cols), HTML_COLS)} of {len(cols)} columns"
         )
-    out.append("<p>" + "<br>".join(esc(n) for n in notes) + "</p></div>")
+    note = "<br>".join(esc(n) for n in notes)
+    out.append(f'<p style="font-size:11px;margin:4px 0">{note}</p></div>')
     return "\n".join(out)
 
 
