@@ -330,6 +330,33 @@ def test_plot_is_a_labelled_figure(grid: Any, tmp_path: Any) -> None:
     assert lens_ax.get_images()[0].get_clim() == (0.0, 2.0)
 
 
+def test_plot_fits_its_title_and_colour_bar_and_shows_in_a_notebook() -> None:
+    """Two columns under a long title, three rows beside a long colour bar label: both inside
+    the figure; the figure is an image to IPython (``_repr_png_``) without pyplot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    narrow = hx.LabelledArray(
+        jnp.array([[0.0, 1.0], [0.5, 0.2], [0.3, 0.1]]),
+        ("layer", "head"),
+        (("L0", "L1", "L2"), ("H0", "H1")),
+        clean=1.25,
+        corrupted=0.125,
+        delta=True,
+        title="estimated change of the metric",
+    )
+    fig = narrow.plot()
+    fig.canvas.draw()
+    ax, bar = fig.axes
+    assert ax.get_title() == "estimated change of the metric: clean 1.25, corrupted 0.125"
+    assert bar.get_ylabel() == "estimated change of the metric"
+    for text in (ax.title, bar.yaxis.label):
+        box = text.get_window_extent()
+        assert box.x0 >= 0 and box.x1 <= fig.bbox.width, (text.get_text(), box)
+        assert box.y0 >= 0 and box.y1 <= fig.bbox.height, (text.get_text(), box)
+    assert fig._repr_png_().startswith(b"\x89PNG\r\n\x1a\n")
+
+
 def test_plot_without_matplotlib_names_the_extra(grid: Any, monkeypatch: Any) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     with pytest.raises(MissingExtraError, match=r"hookax\[plot\]|\[plot\]"):

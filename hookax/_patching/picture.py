@@ -326,12 +326,19 @@ def plot(
         la = la.normalized()
     rows, cols, m = matrix(la)
     lo, hi = scale(la, m)
+    title = title if title is not None else heading(la)
     if ax is None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
 
+        from .._util.figure import Figure  # a notebook shows it as its image, pyplot or not
+
+        # inches: the row labels (7 pt), the columns and the colour bar, the title (9 pt) and
+        # along the bar its label (8 pt)
+        labels = 0.05 * max((len(r) for r in rows[:64]), default=0)
+        width = max(1.7 + labels + 0.35 * len(cols), 0.8 + 0.07 * len(title))
+        height = max(1.2 + 0.25 * len(rows), 0.5 + 0.065 * len(la.title or "value"))
         fig = Figure(
-            figsize=(min(2.0 + 0.35 * len(cols), 14.0), min(1.2 + 0.25 * len(rows), 12.0)),
+            figsize=(min(width, 14.0), min(height, 12.0)),
             dpi=100,
             layout="constrained",
         )
@@ -353,8 +360,8 @@ def plot(
     row_axes, col_axis = axis_names(la)
     ax.set_xlabel(col_axis)
     ax.set_ylabel(" / ".join(row_axes))
-    ax.set_title(title if title is not None else heading(la), fontsize=9)
-    fig.colorbar(im, ax=ax, label=la.title or "value")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax).set_label(la.title or "value", fontsize=8)
     if out is not None:
         from .._util.figure import save_png
 
