@@ -1,10 +1,10 @@
 """hookax in a Jupyter notebook, a newcomer's first hour: a notebook built here runs in a real
 kernel (nbclient) and its saved outputs are checked: HTML tables for the summary, the operations,
 a capture and the gradient flow (its figure inline), the figure of ``hx.plot_grad_flow`` as an
-image, ``str()`` of a summary as its text inside the kernel, one-line reprs, and the heatmaps of
-a patching grid, an attribution, a sweep and a logit lens, with their tables at 80 columns. One
-kernel runs the whole notebook once (``make test-slow``); nbformat, nbclient and ipykernel are in
-the ``dev`` extra."""
+image, ``str()`` of a summary as its text inside the kernel, one-line reprs, the heatmaps of a
+patching grid, an attribution, a sweep and a logit lens, with their tables at 80 columns, and a
+grid's ``plot()`` as an image. One kernel runs the whole notebook once (``make test-slow``);
+nbformat, nbclient and ipykernel are in the ``dev`` extra."""
 
 from __future__ import annotations
 
@@ -103,6 +103,7 @@ lens
 for result in (grid, estimate, sweep, lens):
     print(hx.show(result), end="\\n\\n")
 """,
+    "plot": "grid.plot()",
 }
 
 
@@ -237,3 +238,9 @@ def test_patching_results_print_as_tables_within_80_columns(executed):
         assert [line.split()[0] for line in lines[2:]] == rows
         shown = _data(executed[cell])["text/plain"]  # the cell's text: the same table
         assert shown == table
+
+
+def test_a_results_plot_is_an_image(executed):
+    figure = _data(executed["plot"])
+    assert figure["image/png"].startswith("iVBORw0KGgo")  # not only "<Figure size ...>"
+    assert figure["text/plain"].startswith("<Figure size ")
