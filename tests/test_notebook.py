@@ -218,7 +218,7 @@ def test_patching_results_display_as_labelled_heatmaps(executed, cell):
     head = "".join(f'<th style="text-align:right">{c}</th>' for c in cols)
     assert f'<thead><tr><th style="text-align:left">{corner}</th>{head}</tr></thead>' in page
     body = page.split("<tbody>")[1]
-    assert re.findall(r'<tr><th style="text-align:left">([^<]*)</th>', body) == rows
+    assert re.findall(r'<tr><th style="text-align:left;[^"]*">([^<]*)</th>', body) == rows
     cells = CELL.findall(body)  # every value a cell on its colour, row by row
     assert [tip.split(":")[0] for tip, _ in cells] == [f"{r} × {c}" for r in rows for c in cols]
     colours = {c for _, c in cells}

@@ -263,12 +263,13 @@ def html(la: LabelledArray) -> str | None:
         else None
     )
     nm = matrix(norm)[2] if norm is not None else None
-    # cells without their numbers all as wide as a two-digit column label
-    size = "padding:2px 4px" if numbers else "padding:2px 1px;min-width:14px"
-    td = f"{size};text-align:right;font-family:monospace;font-size:11px"
+    # cells without their numbers narrow, each as wide as a two-digit column label
+    pad = "padding:2px 4px" if numbers else "padding:2px 1px;min-width:14px"
+    td = f"{pad};text-align:right;font-family:monospace;font-size:11px"
+    th = f"{pad};font-size:11px"
     out = [
         '<div class="hookax">',
-        f"<style>.hookax-heatmap td {{{td}}} .hookax-heatmap th {{font-size:11px}}</style>",
+        f"<style>.hookax-heatmap td {{{td}}} .hookax-heatmap th {{{th}}}</style>",
         f'<div style="font-weight:bold;font-size:12px;margin-bottom:2px">{esc(heading(la))}</div>',
         '<table class="hookax-heatmap" style="border-collapse:collapse">',
     ]
@@ -286,7 +287,8 @@ def html(la: LabelledArray) -> str | None:
             body = esc(fmt(v)) if numbers else ""
             style = f"background:{_hex(rgb)};color:{_ink(rgb)}"
             cells.append(f'<td title="{esc(tip)}" style="{style}">{body}</td>')
-        out.append(f'<tr><th style="text-align:left">{esc(label)}</th>{"".join(cells)}</tr>')
+        row = f'<th style="text-align:left;padding-right:4px">{esc(label)}</th>'
+        out.append(f"<tr>{row}{''.join(cells)}</tr>")
     out.append("</tbody></table>")
     notes = [
         f"colour scale {lo:.4g} (red) … {hi:.4g} (blue)"
