@@ -17,7 +17,7 @@ nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 pytest.importorskip("ipykernel")
 
-pytestmark = pytest.mark.slow  # a kernel that imports JAX and Flax: 15 to 25 s on 2 cores
+pytestmark = pytest.mark.slow  # a kernel that imports JAX and Flax: 15 to 40 s on 2 cores
 
 CELLS = {
     "setup": """
