@@ -127,6 +127,7 @@ def test_every_image_a_page_shows_is_in_the_site(site: Path) -> None:
             assert target.is_file(), f"{page.relative_to(site)}: <img src={src!r}> is missing"
             shown.add(target.relative_to(site.resolve()).as_posix())
     assert {"images/attention.png", "images/sae.png", "images/layers.svg"} <= shown
+    assert "images/tl_block_every.png" in shown  # the TransformerLens page draws its sweep
 
 
 def test_copy_button_copies_doctests_as_runnable_code(site: Path) -> None:

@@ -152,12 +152,43 @@ def test_clean_and_corrupted_are_the_unpatched_metric_read_when_asked(
     assert fresh.clean is not None and traces.n == n  # read once, kept
 
 
-def test_attribution_is_labelled_as_changes(model: NModel, grid: Any) -> None:
+def fits_80(result: Any, monkeypatch: Any) -> list[str]:
+    """``hx.show(result)``'s table at 80 columns, its lines each checked to fit."""
+    monkeypatch.setenv("COLUMNS", "80")
+    lines = str(hx.show(result)).splitlines()
+    assert all(len(line) <= 80 for line in lines), "\n".join(lines)
+    return lines
+
+
+def test_attribution_is_labelled_as_changes(model: NModel, grid: Any, monkeypatch: Any) -> None:
     est = hx.attribution_patch(model, (CLEAN,), (CORRUPT,), metric, where="layers/*")
     assert est.labels == grid.labels and est.delta and not grid.delta
     assert est.clean == pytest.approx(grid.clean) and est.corrupted == pytest.approx(grid.corrupted)
     span = est.clean - est.corrupted
     np.testing.assert_allclose(est.normalized(), np.asarray(est) / span, rtol=1e-6)
+    lines = fits_80(est, monkeypatch)
+    assert lines[0].startswith("estimated change of the metric: clean ")
+    assert lines[1].split() == ["target", "\\", "position", *POSITIONS]
+    assert [line.split()[0] for line in lines[2:]] == list(SITES)
+
+
+def test_a_change_of_the_metric_is_coloured_on_the_change_from_corrupted_to_clean() -> None:
+    """Estimates (changes of the metric) diverge around 0 and reach the whole change, clean
+    minus corrupted, not the clean metric itself."""
+    est = hx.LabelledArray(
+        jnp.array([[0.0, 1.0, 2.0]]),
+        ("target", "position"),
+        (("layers/0",), ("0", "1", "2")),
+        clean=10.0,
+        corrupted=6.0,
+        delta=True,
+    )
+    assert picture.scale(est, picture.matrix(est)[2]) == (-4.0, 4.0)
+    grid = est.replace(jnp.array([[6.0, 7.0, 12.0]]), delta=False)
+    assert picture.scale(grid, picture.matrix(grid)[2]) == (0.0, 12.0)  # around 6, to 12
+    page = est._repr_html_()
+    colours = re.findall(r"background:(#\w+)", page)
+    assert colours == ["#f7f7f7", "#c2d3e4", "#8caed2"]  # 0, a quarter and a half of blue
 
 
 def test_normalized_is_the_hand_formula(grid: Any) -> None:
@@ -172,7 +203,7 @@ def test_normalized_is_the_hand_formula(grid: Any) -> None:
         lens.normalized()
 
 
-def test_block_and_head_sweeps_are_labelled() -> None:
+def test_block_and_head_sweeps_are_labelled(monkeypatch: Any) -> None:
     m = g.make("mha")
     c = hx.Components(attn=f"{m.blocks}/attn", mlp=f"{m.blocks}/mlp", blocks=m.blocks)
 
@@ -190,9 +221,16 @@ def test_block_and_head_sweeps_are_labelled() -> None:
     assert heads.axes == ("kind", "layer", "head")
     assert heads.labels == (("q",), ("L0", "L1"), ("H0", "H1"))
     assert heads.corrupted == pytest.approx(float(answer(g.hand(g.CORRUPT)["logits"])), abs=1e-5)
+    lines = fits_80(every, monkeypatch)
+    assert lines[0].startswith("patched metric: clean ")
+    assert lines[1].split() == ["component", "\\", "layer", "L0", "L1"]
+    assert [line.split()[0] for line in lines[2:]] == ["resid_pre", "attn_out", "mlp_out"]
+    lines = fits_80(heads, monkeypatch)
+    assert lines[1].split() == ["kind", "layer", "\\", "head", "H0", "H1"]
+    assert [line.split()[:2] for line in lines[2:]] == [["q", "L0"], ["q", "L1"]]
 
 
-def test_logit_lens_rows_are_the_layers() -> None:
+def test_logit_lens_rows_are_the_layers(monkeypatch: Any) -> None:
     h = jnp.arange(6.0).reshape(3, 1, 2)
     acts = {f"layers/{i}": (h[i],) for i in range(3)}
     lens = hx.logit_lens(lambda x: x.sum(-1), acts)
@@ -204,6 +242,15 @@ def test_logit_lens_rows_are_the_layers() -> None:
         "blocks[2]",
     )
     assert hx.logit_lens(lambda x: x, {"mlp": (h[0], h[1])}, "mlp").rows == ("mlp#0", "mlp#1")
+    # a vocabulary's worth of columns and long call-site keys: cut to 80 columns
+    keys = [f"model/decoder/layers/{i}/self_attention" for i in range(3)]
+    acts = {k: (jnp.ones((1, 4, 50)),) for k in keys}
+    wide = hx.logit_lens(lambda x: x[0, -1], acts, "model/decoder/layers/*/self_attention")
+    lines = fits_80(wide, monkeypatch)
+    assert lines[0] == "readout"
+    assert lines[1].split()[:3] == ["layer", "0", "1"] and lines[1].split()[-2:] == ["…", "49"]
+    assert [line.split()[0] for line in lines[2:5]] == ["…" + k[-25:] for k in keys]
+    assert lines[5] == "… 50 columns in all"
 
 
 def test_repr_html_is_a_labelled_heatmap_centred_on_the_corrupted_run(grid: Any) -> None:
@@ -281,6 +328,33 @@ def test_plot_is_a_labelled_figure(grid: Any, tmp_path: Any) -> None:
     assert (lens_ax.get_ylabel(), lens_ax.get_xlabel()) == ("layer", "")
     assert [t.get_text() for t in lens_ax.get_yticklabels()] == [f"{s} 0" for s in SITES]
     assert lens_ax.get_images()[0].get_clim() == (0.0, 2.0)
+
+
+def test_plot_fits_its_title_and_colour_bar_and_shows_in_a_notebook() -> None:
+    """Two columns under a long title, three rows beside a long colour bar label: both inside
+    the figure; the figure is an image to IPython (``_repr_png_``) without pyplot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    narrow = hx.LabelledArray(
+        jnp.array([[0.0, 1.0], [0.5, 0.2], [0.3, 0.1]]),
+        ("layer", "head"),
+        (("L0", "L1", "L2"), ("H0", "H1")),
+        clean=1.25,
+        corrupted=0.125,
+        delta=True,
+        title="estimated change of the metric",
+    )
+    fig = narrow.plot()
+    fig.canvas.draw()
+    ax, bar = fig.axes
+    assert ax.get_title() == "estimated change of the metric: clean 1.25, corrupted 0.125"
+    assert bar.get_ylabel() == "estimated change of the metric"
+    for text in (ax.title, bar.yaxis.label):
+        box = text.get_window_extent()
+        assert box.x0 >= 0 and box.x1 <= fig.bbox.width, (text.get_text(), box)
+        assert box.y0 >= 0 and box.y1 <= fig.bbox.height, (text.get_text(), box)
+    assert fig._repr_png_().startswith(b"\x89PNG\r\n\x1a\n")
 
 
 def test_plot_without_matplotlib_names_the_extra(grid: Any, monkeypatch: Any) -> None:

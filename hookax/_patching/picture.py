@@ -109,8 +109,8 @@ def scale(la: LabelledArray, m: np.ndarray) -> tuple[float, float]:
         lo, hi = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 1.0)
         return (lo, hi) if hi > lo else (lo - 1.0, lo + 1.0)
     half = float(np.abs(finite - c).max()) if finite.size else 0.0
-    if la.clean is not None:
-        half = max(half, abs(la.clean - c))
+    if la.clean is not None and la.corrupted is not None:  # the scale reaches the clean run
+        half = max(half, abs(la.clean - la.corrupted))
     half = half or 1.0
     return c - half, c + half
 
@@ -263,13 +263,16 @@ def html(la: LabelledArray) -> str | None:
         else None
     )
     nm = matrix(norm)[2] if norm is not None else None
-    td = "padding:2px 4px;text-align:right;font-family:monospace;font-size:11px"
+    # cells without their numbers narrow, each as wide as a two-digit column label
+    pad = "padding:2px 4px" if numbers else "padding:2px 1px;min-width:14px"
+    td = f"{pad};text-align:right;font-family:monospace;font-size:11px"
+    th = f"{pad};font-size:11px"
     out = [
         '<div class="hookax">',
-        f"<style>.hookax-heatmap td {{{td}}} .hookax-heatmap th {{font-size:11px}}</style>",
+        f"<style>.hookax-heatmap td {{{td}}} .hookax-heatmap th {{{th}}}</style>",
+        f'<div style="font-weight:bold;font-size:12px;margin-bottom:2px">{esc(heading(la))}</div>',
         '<table class="hookax-heatmap" style="border-collapse:collapse">',
     ]
-    out.append(f'<caption style="text-align:left"><b>{esc(heading(la))}</b></caption>')
     corner = esc(_corner(la))
     heads = "".join(f'<th style="text-align:right">{esc(c)}</th>' for c in cols[:HTML_COLS])
     out.append(f'<thead><tr><th style="text-align:left">{corner}</th>{heads}</tr></thead><tbody>')
@@ -284,7 +287,8 @@ def html(la: LabelledArray) -> str | None:
             body = esc(fmt(v)) if numbers else ""
             style = f"background:{_hex(rgb)};color:{_ink(rgb)}"
             cells.append(f'<td title="{esc(tip)}" style="{style}">{body}</td>')
-        out.append(f'<tr><th style="text-align:left">{esc(label)}</th>{"".join(cells)}</tr>')
+        row = f'<th style="text-align:left;padding-right:4px">{esc(label)}</th>'
+        out.append(f"<tr>{row}{''.join(cells)}</tr>")
     out.append("</tbody></table>")
     notes = [
         f"colour scale {lo:.4g} (red) … {hi:.4g} (blue)"
@@ -296,7 +300,8 @@ def html(la: LabelledArray) -> str | None:
             f"showing {min(len(rows), HTML_ROWS)} of {len(rows)} rows, "
             f"{min(len(cols), HTML_COLS)} of {len(cols)} columns"
         )
-    out.append("<p>" + "<br>".join(esc(n) for n in notes) + "</p></div>")
+    note = "<br>".join(esc(n) for n in notes)
+    out.append(f'<p style="font-size:11px;margin:4px 0">{note}</p></div>')
     return "\n".join(out)
 
 
@@ -323,12 +328,19 @@ def plot(
         la = la.normalized()
     rows, cols, m = matrix(la)
     lo, hi = scale(la, m)
+    title = title if title is not None else heading(la)
     if ax is None:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
 
+        from .._util.figure import Figure  # a notebook shows it as its image, pyplot or not
+
+        # inches: the row labels (7 pt), the columns and the colour bar, the title (9 pt) and
+        # along the bar its label (8 pt)
+        labels = 0.05 * max((len(r) for r in rows[:64]), default=0)
+        width = max(1.7 + labels + 0.35 * len(cols), 0.8 + 0.07 * len(title))
+        height = max(1.2 + 0.25 * len(rows), 0.5 + 0.065 * len(la.title or "value"))
         fig = Figure(
-            figsize=(min(2.0 + 0.35 * len(cols), 14.0), min(1.2 + 0.25 * len(rows), 12.0)),
+            figsize=(min(width, 14.0), min(height, 12.0)),
             dpi=100,
             layout="constrained",
         )
@@ -350,8 +362,8 @@ def plot(
     row_axes, col_axis = axis_names(la)
     ax.set_xlabel(col_axis)
     ax.set_ylabel(" / ".join(row_axes))
-    ax.set_title(title if title is not None else heading(la), fontsize=9)
-    fig.colorbar(im, ax=ax, label=la.title or "value")
+    ax.set_title(title, fontsize=9)
+    fig.colorbar(im, ax=ax).set_label(la.title or "value", fontsize=8)
     if out is not None:
         from .._util.figure import save_png
 
