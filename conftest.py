@@ -11,3 +11,24 @@ import pytest
 def _natural_width(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("COLUMNS", raising=False)
     monkeypatch.delenv("LINES", raising=False)
+
+
+PASTED = "tests/test_docs_pages.py::test_page_runs_pasted_into_a_fresh_interpreter["
+
+
+@pytest.hookimpl(trylast=True)  # after -m, -k and --deselect chose the items
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A docs page whose pasted run (tests/test_docs_pages.py) is in the session is checked there,
+    its examples' outputs included: its doctest item (``docs/PAGE.md::PAGE.md``) is not run
+    again. ``pytest docs/PAGE.md`` alone runs it."""
+    pasted = {i.nodeid[len(PASTED) : -1] for i in items if i.nodeid.startswith(PASTED)}
+    again = [i for i in items if i.nodeid.startswith("docs/") and _page(i.nodeid) in pasted]
+    if again:
+        config.hook.pytest_deselected(items=again)
+        items[:] = [i for i in items if i not in again]
+
+
+def _page(nodeid: str) -> str:
+    """``docs/reference/x.md::x.md`` -> ``reference/x.md``; ``""`` for other items."""
+    path, _, _ = nodeid.partition("::")
+    return path.removeprefix("docs/") if path.endswith(".md") else ""

@@ -212,10 +212,11 @@ def py312(session: nox.Session) -> None:
 # Python 3.13's lock has the same JAX, Flax, Equinox and Haiku as 3.12's, on which py312 runs
 # everything; what differs is Python itself, so 3.13 runs the tests of what reads Python's own
 # machinery (frames and profile hooks for programs without modules, closures and code objects for
-# function keys, class wrapping, pickling, the command line) and the oldest set's representative
-# subset, not the whole suite again.
+# function keys, class wrapping, the command line) and of what its install decides (the public
+# namespace and extras, the README's example pasted into a prompt), not the whole suite again.
 PYTHON_TESTS = [
-    *OLDEST_TESTS,
+    "tests/test_packaging.py",
+    "tests/test_readme.py",
     "tests/test_programs.py",
     "tests/test_intercept.py",
     "tests/test_hooks.py",
@@ -229,8 +230,8 @@ PYTHON_TESTS = [
 
 @nox.session(python="3.13")
 def py313(session: nox.Session) -> None:
-    """Python 3.13 with its lock: the tests that read Python's own machinery, and the oldest
-    set's representative subset (``PYTHON_TESTS``; ``nox -s py313 -- tests`` runs everything)."""
+    """Python 3.13 with its lock: the tests that read Python's own machinery and what the install
+    decides (``PYTHON_TESTS``; ``nox -s py313 -- tests`` runs everything)."""
     _locked(session)
     args = session.posargs or [*PYTHON_TESTS, "-m", "not slow"]
     session.run("python", "-m", "pytest", "-q", *WORKERS, *args, env=ENV)

@@ -1,95 +1,85 @@
-"""Every docs page pastes: its Python blocks, run as one script in a fresh interpreter.
+"""Every docs page pastes: its Python blocks, run in order in a fresh interpreter, each example's
+output checked.
 
-The doctests of a page (``pytest docs/PAGE.md``) run inside this project's test set-up
-(``docs/conftest.py``); a reader pastes the blocks into a new Python session instead. So each
-page's code, every block in order with the prompts and outputs left out (what the site's copy
-button copies), runs here as one script in a fresh subprocess: no conftest, no fixtures, a new
-empty working folder, JAX's default settings. A page that uses a name it does not define fails.
+A reader pastes a page's blocks into a new Python session: no conftest, no fixtures, JAX's
+default settings. So each page runs here in a fresh subprocess (``tests/page_runner.py``), in a
+new empty working folder, at 88 columns (the width of the site's code blocks): the examples of
+its doctest blocks with their output compared as pytest's doctests compare it, and its plain
+blocks as a script runs them. A page that uses a name it does not define, or prints what it does
+not show, fails. This is the check of a page's examples: where it runs, the page's own doctest
+items (``docs/PAGE.md``) are not run again (``conftest.py``); ``pytest docs/PAGE.md`` alone
+runs them in-process.
 """
 
 from __future__ import annotations
 
-import doctest
 import os
-import re
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
+from tests import page_runner
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
-# Each page takes 3-15 s as a script (a fresh interpreter imports JAX and compiles), about 3
-# minutes for all: the newcomer's first two pages run in `make test`, the rest are `slow`.
+# Each page takes 3-60 s (a fresh interpreter imports JAX and compiles): the newcomer's first two
+# pages run in `make test`, the rest are `slow`.
 FAST = {"index", "getting-started"}
-
-
-def script(page: Path) -> str:
-    """The page's Python: the source of each doctest example, or a plain block as it is."""
-    parts = []
-    for block in BLOCK.findall(page.read_text()):
-        if not block.lstrip().startswith(">>>"):
-            parts.append(block)
-            continue
-        for e in doctest.DocTestParser().get_examples(block):
-            if e.exc_msg is None:
-                parts.append(e.source)
-            else:  # an example that shows an error: pasted, it prints the error and goes on
-                body = textwrap.indent(e.source, "    ")
-                parts.append(f"try:\n{body}except Exception:\n    pass\nelse:\n    {RAISE}\n")
-    return "".join(parts)
-
-
-RAISE = "raise AssertionError('the page shows an error here; pasted, none was raised')"
 
 
 def pages() -> list:
     out = []
     for page in sorted(DOCS.rglob("*.md")):
-        if not BLOCK.search(page.read_text()):
+        if not page_runner.BLOCK.search(page.read_text()):
             continue
         marks = [] if page.stem in FAST else [pytest.mark.slow]
         out.append(pytest.param(page, id=page.relative_to(DOCS).as_posix(), marks=marks))
     return out
 
 
-def test_an_example_that_shows_an_error_must_raise_it(tmp_path: Path) -> None:
+def _page(tmp_path: Path, text: str) -> Path:
     page = tmp_path / "page.md"
-    page.write_text(
-        "```python\n>>> 1 / 0\nTraceback (most recent call last):\nZeroDivisionError: x\n```\n"
-    )
-    code = script(page)
-    exec(compile(code, "page", "exec"), {})  # raised and shown: the script goes on
-    page.write_text(
-        "```python\n>>> 1 / 1\nTraceback (most recent call last):\nZeroDivisionError: x\n```\n"
-    )
-    with pytest.raises(AssertionError, match="the page shows an error here"):
-        exec(compile(script(page), "page", "exec"), {})
+    page.write_text(text)
+    return page
 
 
-def test_script_is_the_code_the_copy_button_copies(tmp_path: Path) -> None:
-    page = tmp_path / "page.md"
-    page.write_text(
+def test_examples_outputs_errors_and_plain_blocks(tmp_path: Path) -> None:
+    ok = (
         "# A page\n\n```python\n>>> x = 1\n>>> def f():\n...     return x\n>>> f()\n1\n\n```\n"
-        "Text.\n```bash\nhookax --help\n```\n```python\nprint(f())\n```\n"
+        "Text.\n```bash\nhookax --help\n```\n```python\ny = f() + 1\nprint(y)\n```\n"
+        "```python\n>>> y\n2\n>>> 1 / 0\nTraceback (most recent call last):\n"
+        "ZeroDivisionError: division by zero\n\n```\n"
     )
-    assert script(page) == "x = 1\ndef f():\n    return x\nf()\nprint(f())\n"
+    assert page_runner.run(_page(tmp_path, ok)) == 0
+    wrong = "```python\n>>> 1 + 1\n3\n\n```\n"
+    assert page_runner.run(_page(tmp_path, wrong)) == 1
+    undefined = "```python\n>>> z\n1\n\n```\n"
+    assert page_runner.run(_page(tmp_path, undefined)) == 1
+    shows_an_error_that_is_not_raised = (
+        "```python\n>>> 1 / 1\nTraceback (most recent call last):\nZeroDivisionError: x\n\n```\n"
+    )
+    assert page_runner.run(_page(tmp_path, shows_an_error_that_is_not_raised)) == 1
+    plain_block_fails = "```python\nraise ValueError('x')\n```\n"
+    assert page_runner.run(_page(tmp_path, plain_block_fails)) == 1
+
+
+def test_a_failure_names_the_pages_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    page = _page(tmp_path, "# Title\n\nText.\n\n```python\n>>> 1 + 1\n3\n\n```\n")
+    assert page_runner.run(page) == 1
+    assert f'File "{page}", line 6' in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("page", pages())
 def test_page_runs_pasted_into_a_fresh_interpreter(page: Path, tmp_path: Path) -> None:
-    code = script(page)
-    assert code.strip(), f"{page.name}: no Python blocks"
-    (tmp_path / "page.py").write_text(code)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("XLA_", "JAX_", "PYTEST"))}
-    env.update(PYTHONPATH=str(ROOT), MPLBACKEND="Agg")
+    env.update(PYTHONPATH=str(ROOT), MPLBACKEND="Agg", COLUMNS="88")
+    env.pop("LINES", None)
     t0 = time.perf_counter()
     run = subprocess.run(
-        [sys.executable, "page.py"],
+        [sys.executable, "-m", "tests.page_runner", str(page)],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -98,7 +88,7 @@ def test_page_runs_pasted_into_a_fresh_interpreter(page: Path, tmp_path: Path) -
         check=False,
     )
     seconds = time.perf_counter() - t0
-    tail = "\n".join((run.stdout + run.stderr).splitlines()[-25:])
-    assert run.returncode == 0, f"docs/{page.name} as a script failed ({seconds:.0f} s):\n{tail}"
+    tail = "\n".join((run.stdout + run.stderr).splitlines()[-60:])
+    assert run.returncode == 0, f"docs/{page.name} pasted failed ({seconds:.0f} s):\n{tail}"
     # what the page writes goes where the page says (a folder it made), not beside the reader
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["page.py"]
+    assert list(tmp_path.iterdir()) == []
