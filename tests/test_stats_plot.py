@@ -76,6 +76,8 @@ def test_where_and_png(logdir: Path, tmp_path: Path) -> None:
     fig = hx.plot_stats(logdir, "grad_norm", where="layers/*", out=out)
     assert list(lines(fig.axes[0])) == ["layers/2", "layers/10"]
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a notebook shows the figure as its image without pyplot (IPython's _repr_png_)
+    assert fig._repr_png_()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_unknown_statistic_lists_those_logged(logdir: Path) -> None:

@@ -87,9 +87,8 @@ def plot_stats(
     require("matplotlib", "plot", "hx.plot_stats (it draws a chart)")
     from matplotlib import colormaps
     from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
 
-    from .._util.figure import save_png
+    from .._util.figure import Figure, save_png  # a notebook shows it as its image, pyplot or not
 
     names = (stats,) if isinstance(stats, str) else tuple(stats)
     events = _logger.read_events(logdir)
