@@ -247,6 +247,26 @@ def test_path_patching_equals_the_hand_loop_over_pairs(model):
             assert grid[i, j] == pytest.approx(float(metric(y)), rel=1e-5, abs=1e-5)
 
 
+def test_path_patching_from_the_corrupted_run_is_the_call_with_the_runs_swapped(model):
+    """The other convention (noising the corrupted run's paths from the clean one): the
+    corrupted run is the baseline, the receivers read the sender's clean value, every other
+    path keeps its corrupted value."""
+    parts = induction.components()
+    senders, receivers = ["embed", "L0H1"], ["L1H0.k", ("L1H0.q", "L1H0.v"), "logits"]
+    grid = hx.path_patch(
+        model, (CORRUPT,), (CLEAN,), metric, parts, senders=senders, receivers=receivers
+    )
+    _, clean = hand(model, CLEAN)
+    _, corrupt = hand(model, CORRUPT)
+    for i, s in enumerate(senders):
+        for j, group in enumerate(receivers):
+            into = [r for r in ((group,) if isinstance(group, str) else group) if s in upstream(r)]
+            y, _ = hand(model, CORRUPT, {r: clean[s] - corrupt[s] for r in into})
+            assert grid[i, j] == pytest.approx(float(metric(y)), rel=1e-5, abs=1e-5), (s, group)
+    assert grid.clean == pytest.approx(float(metric(hand(model, CORRUPT)[0])), rel=1e-6)
+    assert np.abs(np.asarray(grid) - grid.clean).max() > 1e-3  # the paths carry an effect
+
+
 def test_path_patch_names_what_it_does_not_know(model):
     with pytest.raises(hx.HookaxError, match=r"receivers= names \['L2H0.k'\]"):
         hx.path_patch(

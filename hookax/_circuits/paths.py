@@ -82,6 +82,10 @@ def path_patch(
     entry with no edge from the sender into the group is ``nan``. One compiled program for the
     whole grid.
 
+    The other convention, from the corrupted run (every other path keeps its corrupted value,
+    the receivers read the sender's clean value), is the same call with the runs swapped:
+    ``hx.path_patch(fn, corrupt_args, clean_args, ...)``.
+
     Args:
       fn: the model or function, ``fn(*clean_args)``.
       clean_args: the clean run's arguments.
