@@ -80,26 +80,26 @@ class _Marker:
         split = self.parts
         if in_hit:  # the input's keys start first
             whole = ins if split is None else split.inputs
-            in_keys = self._named(whole, split and split.input_parts, ctx, live, ":in", split)
+            in_keys = self._named(whole, split and split.input_parts, ctx, live, ":in")
             value = args[0] if len(args) == 1 else tuple(args)
             value = self._tag_all(value, in_keys, ctx)
             args = (value,) if len(args) == 1 else value
         keys = []
         if out_hit:
             whole = self.selector if split is None else split.outputs
-            keys = self._named(whole, split and split.output_parts, ctx, live, "", split)
+            keys = self._named(whole, split and split.output_parts, ctx, live, "")
         out = next_fun(*args, **kwargs)
         return self._tag_all(out, keys, ctx)
 
     def _named(
-        self, whole: Any, part_sels: Any, ctx: Any, live: Any, tail: str, split: Any
+        self, whole: Any, part_sels: Any, ctx: Any, live: Any, tail: str
     ) -> list[tuple[str, str]]:
         """``(key, part)`` of each value this call records: the call site's key (or one layer
         of it per suffix) with ``tail`` (``":in"`` for its input), whole (part ``""``) where
         ``whole`` selects it, and each part a part entry's selector selects it for."""
         picked = []
-        # without parts, ``whole`` is the selector the caller just matched: not matched again
-        if whole is not None and (split is None or whole.matches(ctx)):
+        # without parts (``part_sels`` None), ``whole`` is the selector the caller just matched
+        if whole is not None and (part_sels is None or whole.matches(ctx)):
             picked += [(k, "") for k in self._keys(whole, ctx, live)]
         for sel, part in part_sels or ():
             if sel.matches(ctx):
