@@ -51,12 +51,14 @@ def _scalar(m: Any) -> Any:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _attribute(spec: _Spec, dyn: list[Any]) -> Any:
-    fn, clean_args, corrupt_args, metric = compiled.join(dyn, spec.rest)
+    fn, _, corrupt_args, _ = compiled.join(dyn, spec.rest)
     graph, parts = spec.graph, spec.parts
     _, corrupt = rewired(fn, parts, Rewire(graph), WHO)(*corrupt_args)
     embeds = {k: corrupt.values[k] for k in corrupt.embeds}
 
     def loss(shifts: Any, alpha: Any) -> tuple[Any, Any]:
+        # joined here: an NNX model's transforms (nnx.scan) take modules made in their trace
+        fn, clean_args, _, metric = compiled.join(dyn, spec.rest)
         rw = Rewire(graph, shifts=shifts)
         if spec.steps > 1:
             rw.alpha, rw.corrupt_embeds = alpha, embeds

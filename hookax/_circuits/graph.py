@@ -33,6 +33,8 @@ from .._engine.select import Select, glob_to_regex
 from .._hooks.intercept import intercept
 from .._interp.components import Components, as_tuple
 from .._util.errors import HookaxError
+from .._util.jaxcompat import core
+from . import traces
 
 __all__ = ["Graph", "Rewire", "discover", "rewired"]
 
@@ -74,7 +76,6 @@ class Rewire:
     keep: Any = None
     alpha: Any = None
     corrupt_embeds: Mapping[str, Any] | None = None
-    top: Any = None  # discovery: the trace the model's call starts in (see _Run.unrolled)
 
 
 class _Run:
@@ -82,6 +83,8 @@ class _Run:
 
     def __init__(self, parts: Components, rewire: Rewire, who: str) -> None:
         self.parts, self.rewire, self.who = parts, rewire, who
+        self.top = _context.current_trace()  # the trace the model's call starts in
+        self.maps: tuple[Any, ...] = ()  # the vmaps around the call site running (traces.py)
         self.values: dict[str, Any] = {}
         self.embeds: list[str] = []
         self.receivers: list[tuple[str, int, tuple[int, ...]]] = []
@@ -107,25 +110,33 @@ class _Run:
 
     def shift(self, label: str, x: Any) -> Any:
         """What the receiver ``label`` adds to its input ``x``: its shift and its cut edges'
-        corrections (``sender_corrupt - sender_here``), in ``x``'s shape; None for nothing."""
+        corrections (``sender_corrupt - sender_here``), in ``x``'s shape (an element's, inside
+        a vmap); None for nothing. Its shape in the graph is the whole input's."""
         r = self.rewire
-        self.receivers.append((label, len(self.values), tuple(jnp.shape(x))))
-        total = None
-        if r.shifts is not None and label in r.shifts:
-            total = r.shifts[label]
-        if r.corrupt is not None and r.graph is not None:
-            j = r.graph.receivers.index(label)
-            for i, name in enumerate(r.graph.senders[: r.graph.before[j]]):
-                term = (1 - r.keep[i, j]) * (r.corrupt[name] - self.values[name])
-                total = term if total is None else total + term
-        return None if total is None else jnp.broadcast_to(total, jnp.shape(x)).astype(x.dtype)
+        shape = tuple(v.axis_data.size for v in self.maps) + tuple(jnp.shape(x))
+        self.receivers.append((label, len(self.values), shape))
+        if r.shifts is None and r.corrupt is None:
+            return None
+        with core.set_current_trace(self.top):
+            total = None
+            if r.shifts is not None and label in r.shifts:
+                total = r.shifts[label]
+            if r.corrupt is not None and r.graph is not None:
+                j = r.graph.receivers.index(label)
+                for i, name in enumerate(r.graph.senders[: r.graph.before[j]]):
+                    term = (1 - r.keep[i, j]) * (r.corrupt[name] - self.values[name])
+                    total = term if total is None else total + term
+            if total is None:
+                return None
+            total = jnp.broadcast_to(total, shape).astype(x.dtype)
+        return traces.each(total, self.maps)
 
     def shifted(self, label: str, x: Any) -> Any:
         s = self.shift(label, x)
         return x if s is None else x + s
 
     def record(self, label: str, value: Any) -> None:
-        self.values[label] = value
+        self.values[label] = traces.whole(value, self.maps)
 
     def __call__(
         self, next_fun: Callable[..., Any], args: tuple, kwargs: dict, context: Any
@@ -133,18 +144,23 @@ class _Run:
         role = self.role(context.key)
         if role is None or not args:
             return next_fun(*args, **kwargs)
-        if self.rewire.top is not None:
-            self.unrolled(context)
+        maps = traces.vmaps(self.top, self.who, context.key, context._frame)
+        if maps is None:
+            return next_fun(*args, **kwargs)
+        self.maps = maps
         x, rest = args[0], args[1:]
         if role == "embed":
             y = next_fun(*args, **kwargs)
             r = self.rewire
-            if r.alpha is not None and r.corrupt_embeds is not None:
-                c = r.corrupt_embeds[context.key]
-                y = c + r.alpha * (y - c)
             self.embeds.append(context.key)
-            self.record(context.key, y)
-            return y
+            if r.alpha is None or r.corrupt_embeds is None:
+                self.record(context.key, y)
+                return y
+            with core.set_current_trace(self.top):
+                c = r.corrupt_embeds[context.key]
+                mixed = c + r.alpha * (traces.whole(y, self.maps) - c)
+            self.values[context.key] = mixed
+            return traces.each(mixed, self.maps)
         if role == "heads":
             return self._heads(next_fun, x, rest, kwargs)
         if role in ("q", "k", "v"):
@@ -160,40 +176,6 @@ class _Run:
         if role == "attn_norm":
             return self._attn_norm(next_fun, x, rest, kwargs)
         return next_fun(self.shifted("logits", x), *rest, **kwargs)  # the readout
-
-    def unrolled(self, context: Any) -> None:
-        """Raise unless the call site runs in the trace the model's call started in: a value
-        made inside a ``jax.vmap``, a scan or another transform the model applies itself
-        cannot be read by the receivers after it (nor leave the run)."""
-        here = _context.current_trace()
-        if here is self.rewire.top:
-            return
-        if _context.vmaps_between(here, self.rewire.top):
-            where = (
-                "a jax.vmap (Equinox's layers map the positions so, e.g. eqx.nn.Linear and "
-                "eqx.nn.MultiheadAttention's projections; or a vmap over the batch around the "
-                "model)"
-            )
-            fix = (
-                "write the parts that the components name on whole arrays, batch and "
-                "positions included (x @ weight + bias), and give the model, not "
-                "jax.vmap(model)"
-            )
-        elif context._frame.in_scan():
-            where = "a scan over stacked layers (nnx.scan, nn.scan, lax.scan)"
-            fix = (
-                "run the layers in a Python loop (for i in range(n_layers): "
-                "x = layer_i(x)), e.g. one model with the scanned weights split per layer"
-            )
-        else:
-            where = "a transform the model applies itself (jax.checkpoint / remat, a cond, a loop)"
-            fix = "call the parts outside the transform (e.g. without remat)"
-        raise HookaxError(
-            f"{self.who}: the call site {context.key!r} runs inside {where}. The residual "
-            f"graph is read off one run in which every layer's parts are called one after "
-            f"another, each value visible to the parts after it; a value made inside a "
-            f"transform is not. Fix: {fix}."
-        )
 
     def _n_heads(self, x: Any, y: Any, what: str) -> int | None:
         """The heads on their own axis (-2 of ``x``): None; concatenated: ``n_heads``."""
@@ -238,7 +220,9 @@ class _Run:
         stack = jnp.stack([x] + [x if s is None else x + s for s in shifts])
         normed = jax.vmap(lambda v: next_fun(v, *rest, **kw))(stack)
         y = normed[0]
-        self.pending = (y, {label: normed[i + 1] - y for i, label in enumerate(labels)})
+        maps = self.maps
+        copies = {label: traces.whole(normed[i + 1] - y, maps) for i, label in enumerate(labels)}
+        self.pending = (traces.root(y, self.maps), copies)
         return y
 
     def _projection(
@@ -251,7 +235,8 @@ class _Run:
         n = self._n_heads(y, x, "the projection's output")
         split = (lambda v: v) if n is None else (lambda v: v.reshape(*v.shape[:-1], n, -1))
         heads = []
-        normed = self.pending[1] if self.pending and x is self.pending[0] else None
+        mine = self.pending and traces.root(x, self.maps) is self.pending[0]
+        normed = self.pending[1] if self.pending and mine else None
         if self.parts.norms and self.parts.norms[0] and normed is None and self.pending:
             raise HookaxError(
                 f"{self.who}: the {kind} projection of layer {layer} does not read the output "
@@ -261,7 +246,7 @@ class _Run:
         for h in range(split(y).shape[-2]):
             label = f"L{layer}H{h}.{kind}"
             if self.parts.norms and self.parts.norms[0]:
-                s = None if normed is None else normed[label]
+                s = None if normed is None else traces.each(normed[label], self.maps)
             else:
                 s = self.shift(label, x)
             heads.append(split(y if s is None else y + linear(s))[..., h, :])
@@ -310,7 +295,7 @@ def rewired(
 
     def call(*args: Any) -> tuple[Any, _Run]:
         run = _Run(parts, rewire, who)
-        with intercept(run, where=Select(paths=_sites(parts))):
+        with intercept(run, where=Select(paths=_sites(parts))), traces.unrolled():
             y = fn(*args)
         if not run.receivers or "logits" not in dict((r[0], 0) for r in run.receivers):
             raise HookaxError(
@@ -338,7 +323,7 @@ def discover(fn: Any, args: tuple[Any, ...], parts: Components, who: str) -> Gra
 
     def run(dyn: list[Any]) -> None:
         f, a = compiled.join(dyn, rest)
-        _, r = rewired(f, parts, Rewire(top=_context.current_trace()), who)(*a)
+        _, r = rewired(f, parts, Rewire(), who)(*a)
         found.append(r.graph())
 
     jax.eval_shape(run, dyn)

@@ -32,10 +32,12 @@ WHO = "hx.path_patch"
 
 @functools.partial(jax.jit, static_argnums=0)
 def _grid(spec: Spec, dyn: list[Any], keeps: Any) -> Any:
-    fn, clean_args, corrupt_args, metric = compiled.join(dyn, spec.rest)
+    fn, _, corrupt_args, _ = compiled.join(dyn, spec.rest)
     _, corrupt = rewired(fn, spec.parts, Rewire(spec.graph), WHO)(*corrupt_args)
 
     def one(keep: Any) -> Any:
+        # joined here: an NNX model's transforms (nnx.scan) take modules made in their trace
+        fn, clean_args, _, metric = compiled.join(dyn, spec.rest)
         rw = Rewire(spec.graph, corrupt=corrupt.values, keep=keep)
         y, _ = rewired(fn, spec.parts, rw, WHO)(*clean_args)
         return jnp.asarray(metric(y), jnp.float32)
