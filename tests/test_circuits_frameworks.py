@@ -1,10 +1,12 @@
 """Circuits on every kind of model hookax reads: the same two-layer attention-only transformer
-(two heads concatenated, biases everywhere) written for Equinox, Linen, Haiku and as a plain
-program over a weight pytree, each from one set of weights, against one forward unrolled by
-hand; under ``jax.jit`` with the model as an argument; and the models whose parts run inside a
-transform of their own (a scanned stack of layers, Equinox's ``jax.vmap``, a checkpoint), which
-raise."""
+(two heads, biases everywhere) written for Equinox, Linen, Haiku and as a plain program over a
+weight pytree, each from one set of weights, against one forward unrolled by hand; written the
+usual ways of each (Equinox's ``jax.vmap`` over the positions inside the model and over the
+batch around it; a stack of layers scanned by ``nnx.scan``, ``nn.scan`` and ``lax.scan``);
+under ``jax.jit`` with the model as an argument; and a model whose parts run inside a
+checkpoint of its own, which raises."""
 
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -46,11 +48,12 @@ def _attend(q, k, v):
     return jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(jnp.where(causal, s, -1e9), axis=-1), v)
 
 
-def hand(tokens, extra=None):
+def hand(tokens, extra=None, embedding=None):
     """The model unrolled by hand, head by head; ``extra[receiver]`` is added to that
-    receiver's own copy of the stream. Returns the logits and every sender's value."""
+    receiver's own copy of the stream; ``embedding``: the embedding's output in place of the
+    table's rows. Returns the logits and every sender's value."""
     extra = extra or {}
-    senders = {"embed": W["E"][tokens]}
+    senders = {"embed": W["E"][tokens] if embedding is None else embedding}
     x = senders["embed"]
     for layer, w in enumerate(W["layers"]):
         out = w["bo"]
@@ -81,16 +84,6 @@ CHECKED = [
     ("L1H0", "logits"),
     ("L1H1", "logits"),
 ]
-
-
-def eap_by_hand(edges):
-    """EAP: the gradient of the metric with respect to the receiver's input at the clean run,
-    dotted with the sender's corrupted minus clean value."""
-    _, clean = hand(CLEAN)
-    _, corrupt = hand(CORRUPT)
-    zeros = {r: jnp.zeros((2, T, D)) for r in RECEIVERS}
-    g = jax.grad(lambda e: metric(hand(CLEAN, e)[0]))(zeros)
-    return {(s, r): float(jnp.sum((corrupt[s] - clean[s]) * g[r])) for s, r in edges}
 
 
 # --- the model, three ways -----------------------------------------------------------------
@@ -224,103 +217,58 @@ def _parts(blocks, out="out"):
     )
 
 
-def _case(kind):
-    """``(fn, clean_args, corrupt_args, components, as_args)``: ``as_args(model_or_weights,
-    tokens)`` the arguments of a call with the model (or weights) passed to a jitted function."""
-    if kind == "equinox":
-        model = eqx_model()
-        return model, (CLEAN,), (CORRUPT,), _parts("blocks/*"), model
-    if kind == "linen":
-        params = linen_params()
-        return (
-            functools.partial(LinenModel().apply, params),
-            (CLEAN,),
-            (CORRUPT,),
-            (_parts("blocks_*")),
-            params,
+class EqxBlock(eqx.Module):
+    attn: eqx.nn.MultiheadAttention
+
+    def __call__(self, x):
+        return x + self.attn(x, x, x, mask=jnp.tril(jnp.ones((x.shape[0],) * 2, bool)))
+
+
+class EqxGPT(eqx.Module):
+    """Equinox's own way: one sequence, its positions mapped by ``jax.vmap`` (the embedding,
+    ``eqx.nn.MultiheadAttention``'s projections, the unembedding)."""
+
+    embed: eqx.nn.Embedding
+    blocks: list
+    unembed: eqx.nn.Linear
+
+    def __call__(self, tokens):
+        x = jax.vmap(self.embed)(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return jax.vmap(self.unembed)(x)
+
+
+def eqx_gpt():
+    """``EqxGPT`` with the weights ``W``."""
+    ks = iter(jax.random.split(jax.random.key(1), 4))
+    names = {"q": "query_proj", "k": "key_proj", "v": "value_proj", "o": "output_proj"}
+
+    def attention(w):
+        biases = dict.fromkeys(("query", "key", "value", "output"), True)
+        m = eqx.nn.MultiheadAttention(
+            H, D, **{f"use_{n}_bias": b for n, b in biases.items()}, key=next(ks)
         )
-    if kind == "haiku":
-        return haiku_model(), (CLEAN,), (CORRUPT,), _parts("attn_*", out="linear"), None
-    return program, (W, CLEAN), (W, CORRUPT), _parts("attn/*"), W
+        for n, name in names.items():
+            where = lambda m: (getattr(m, name).weight, getattr(m, name).bias)  # noqa: B023, E731
+            m = eqx.tree_at(where, m, (w[n].T, w[f"b{n}"]))
+        return m
+
+    embed = eqx.tree_at(lambda e: e.weight, eqx.nn.Embedding(V, D, key=next(ks)), W["E"])
+    blocks = [EqxBlock(attention(w)) for w in W["layers"]]
+    unembed = eqx.nn.Linear(D, V, key=next(ks))
+    unembed = eqx.tree_at(lambda u: (u.weight, u.bias), unembed, (W["U"].T, W["bU"]))
+    return EqxGPT(embed, blocks, unembed)
 
 
-def haiku_model():
-    """Haiku's ``hk.MultiHeadAttention`` (its projections ``query``, ``key``, ``value``, its
-    output ``linear``, heads concatenated), the weights ``W``."""
-    hk = pytest.importorskip("haiku")
-
-    def forward(tokens):
-        x = hk.Embed(V, D, name="embed")(tokens)
-        mask = jnp.tril(jnp.ones((1, 1, T, T), bool))
-        for i in range(2):
-            attention = hk.MultiHeadAttention(H, DH, w_init=jnp.zeros, name=f"attn_{i}")
-            x = x + attention(x, x, x, mask=mask)
-        return hk.Linear(V, name="unembed")(x)
-
-    names = {"q": "query", "k": "key", "v": "value", "o": "linear"}
-    params = {"embed": {"embeddings": W["E"]}, "unembed": {"w": W["U"], "b": W["bU"]}}
-    for i, w in enumerate(W["layers"]):
-        params |= {f"attn_{i}/{names[n]}": {"w": w[n], "b": w[f"b{n}"]} for n in "qkvo"}
-    apply = hk.transform(forward).apply
-    return lambda tokens: apply(params, None, tokens)
-
-
-KINDS = ["equinox", "linen", "program"]
-
-
-@pytest.mark.parametrize("kind", [*KINDS, "haiku"])
-def test_eap_scores_are_the_hand_gradients_and_circuits_the_two_runs(kind):
-    fn, clean, corrupt, parts, _ = _case(kind)
-    np.testing.assert_allclose(fn(*clean), hand(CLEAN)[0], rtol=1e-5, atol=1e-5)
-    edges = hx.edge_attribution(fn, clean, corrupt, metric, parts)
-    assert set(edges) == {(s, r) for r in RECEIVERS for s in UPSTREAM[r]} and len(edges) == 29
-    for edge, want in eap_by_hand(CHECKED).items():
-        assert edges[edge] == pytest.approx(want, rel=1e-4, abs=1e-5), edge
-    np.testing.assert_array_equal(hx.run_circuit(fn, clean, corrupt, edges), fn(*clean))
-    none = hx.run_circuit(fn, clean, corrupt, edges.top(0))
-    np.testing.assert_allclose(none, fn(*corrupt), atol=1e-5)
-    # one edge cut: the receiver reads the sender's corrupted value (the hand forward)
-    _, c = hand(CLEAN)
-    _, k = hand(CORRUPT)
-    y = hx.run_circuit(fn, clean, corrupt, [e for e in edges if e != ("L0H0", "L1H1.k")], parts)
-    want, _ = hand(CLEAN, {"L1H1.k": k["L0H0"] - c["L0H0"]})
-    np.testing.assert_allclose(y, want, atol=1e-5)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_under_jit_with_the_model_as_an_argument(kind):
-    fn, clean, corrupt, parts, weights = _case(kind)
-    every = [(s, r) for r in RECEIVERS for s in UPSTREAM[r]]
-
-    def call(weights, tokens, corrupted):
-        if kind == "equinox":
-            f, a, b = weights, (tokens,), (corrupted,)
-        elif kind == "linen":
-            f, a, b = functools.partial(LinenModel().apply, weights), (tokens,), (corrupted,)
-        else:
-            f, a, b = program, (weights, tokens), (weights, corrupted)
-        y = hx.run_circuit(f, a, b, [e for e in every if e != ("L0H1", "L1H0.v")], parts)
-        grid = hx.path_patch(
-            f, a, b, metric, parts, senders=["L0H0", "L0H1"], receivers=["L1H1.k", "logits"]
-        )
-        return y, grid
-
-    y, grid = jax.jit(call)(weights, CLEAN, CORRUPT)
-    _, c = hand(CLEAN)
-    _, k = hand(CORRUPT)
-    want, _ = hand(CLEAN, {"L1H0.v": k["L0H1"] - c["L0H1"]})
-    np.testing.assert_allclose(y, want, atol=1e-5)
-    assert isinstance(grid, hx.LabelledArray) and grid.rows == ("L0H0", "L0H1")
-    assert grid.columns == ("L1H1.k", "logits")
-    for i, s in enumerate(grid.rows):
-        for j, r in enumerate(grid.columns):
-            want, _ = hand(CLEAN, {r: k[s] - c[s]})
-            assert float(grid[i, j]) == pytest.approx(float(metric(want)), rel=1e-5, abs=1e-5)
-    with pytest.raises(hx.HookaxError, match=r"hx.edge_attribution: called inside jax.jit"):
-        jax.jit(lambda t: hx.edge_attribution(fn, (*clean[:-1], t), corrupt, metric, parts))(CLEAN)
-
-
-# --- parts inside a transform of the model's own: a clear error -------------------------------
+EQX_GPT_PARTS = hx.Components(
+    attn="blocks/*/attn",
+    embed="embed",
+    unembed="unembed",
+    heads="blocks/*/attn/output_proj",
+    qkv=tuple(f"blocks/*/attn/{n}_proj" for n in ("query", "key", "value")),
+    n_heads=H,
+)
 
 
 class Block(nnx.Module):
@@ -353,6 +301,24 @@ class Scanned(nnx.Module):
         return self.unembed(x)
 
 
+def _stacked(f):
+    return jnp.stack([f(w) for w in W["layers"]])
+
+
+def scanned():
+    """``Scanned`` with the weights ``W`` (heads on their own axis)."""
+    model = Scanned(nnx.Rngs(0))
+    attention = model.blocks.attn
+    for n, name in (("q", "query"), ("k", "key"), ("v", "value")):
+        getattr(attention, name).kernel[...] = _stacked(lambda w: w[n].reshape(D, H, DH))  # noqa: B023
+        getattr(attention, name).bias[...] = _stacked(lambda w: w[f"b{n}"].reshape(H, DH))  # noqa: B023
+    attention.out.kernel[...] = _stacked(lambda w: w["o"].reshape(H, DH, D))
+    attention.out.bias[...] = _stacked(lambda w: w["bo"])
+    model.embed.embedding[...] = W["E"]
+    model.unembed.kernel[...], model.unembed.bias[...] = W["U"], W["bU"]
+    return model
+
+
 SCANNED_PARTS = hx.Components(
     attn="blocks/attn",
     embed="embed",
@@ -362,59 +328,233 @@ SCANNED_PARTS = hx.Components(
 )
 
 
-class EqxBlock(eqx.Module):
-    attn: eqx.nn.MultiheadAttention
+class LinenLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return x + LinenAttention(name="attn")(x), None
 
-    def __call__(self, x):
-        return x + self.attn(x, x, x, mask=jnp.tril(jnp.ones((T, T), bool)))
 
+class LinenScanned(nn.Module):
+    """The layers stacked and run by ``nn.scan`` (call sites ``blocks/attn/...``)."""
 
-class EqxGPT(eqx.Module):
-    """Equinox's own way: one sequence, its positions mapped by ``jax.vmap``."""
-
-    embed: eqx.nn.Embedding
-    blocks: list
-    unembed: eqx.nn.Linear
-
+    @nn.compact
     def __call__(self, tokens):
-        x = jax.vmap(self.embed)(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return jax.vmap(self.unembed)(x)
+        x = nn.Embed(V, D, name="embed")(tokens)
+        layers = nn.scan(
+            LinenLayer, variable_axes={"params": 0}, split_rngs={"params": True}, length=2
+        )
+        x, _ = layers(name="blocks")(x, None)
+        return nn.Dense(V, name="unembed")(x)
 
 
-def test_parts_inside_a_scan_or_a_vmap_raise_naming_the_call_site_and_the_fix():
-    scanned = Scanned(nnx.Rngs(0))
-    for call in (
-        lambda: hx.edge_attribution(scanned, (CLEAN,), (CORRUPT,), metric, SCANNED_PARTS),
-        lambda: hx.run_circuit(scanned, (CLEAN,), (CORRUPT,), [], SCANNED_PARTS),
-    ):
-        with pytest.raises(
-            hx.HookaxError,
-            match=r"the call site 'blocks/attn/query' runs inside a scan over stacked layers "
-            r"\(nnx.scan, nn.scan, lax.scan\).*Fix: run the layers in a Python loop",
-        ):
-            call()
-    ks = jax.random.split(jax.random.key(1), 4)
-    gpt = EqxGPT(
-        eqx.nn.Embedding(V, D, key=ks[0]),
-        [EqxBlock(eqx.nn.MultiheadAttention(H, D, key=k)) for k in ks[1:3]],
-        eqx.nn.Linear(D, V, key=ks[3]),
+def linen_scanned_params():
+    p = linen_params()["params"]
+    attention = jax.tree.map(lambda *a: jnp.stack(a), p["blocks_0"], p["blocks_1"])
+    return {"params": {"embed": p["embed"], "unembed": p["unembed"], "blocks": {"attn": attention}}}
+
+
+W_STACKED = {k: v for k, v in W.items() if k != "layers"} | {
+    "layers": jax.tree.map(lambda *a: jnp.stack(a), *W["layers"])
+}
+
+
+def scan_program(weights, tokens):
+    """The plain program with its layers' weights stacked, run by ``lax.scan`` (call sites
+    ``attn/query``, ...: the layers by the scan's iterations)."""
+    x = embed(tokens, weights["E"])
+    x, _ = jax.lax.scan(lambda x, w: (x + attn(x, w), None), x, weights["layers"])
+    return unembed(x, weights)
+
+
+def one_metric(logits):
+    """``metric`` for one sequence."""
+    return logits[-1, 1] + 0.5 * logits[3, 5]
+
+
+@dataclasses.dataclass
+class Case:
+    """A model and its arguments; ``build(model, clean, corrupt)`` gives ``(fn, clean_args,
+    corrupt_args)`` from the model (or weights) ``model``, for a call under ``jax.jit``;
+    ``one``: the model reads one sequence (the hand forward's first)."""
+
+    model: object
+    build: object
+    parts: hx.Components
+    one: bool = False
+
+    def args(self, model=None):
+        model = self.model if model is None else model
+        if self.one:
+            return self.build(model, CLEAN[0], CORRUPT[0])
+        return self.build(model, CLEAN, CORRUPT)
+
+    @property
+    def metric(self):
+        return one_metric if self.one else metric
+
+    def tokens(self):
+        return (CLEAN[:1], CORRUPT[:1]) if self.one else (CLEAN, CORRUPT)
+
+    def hand_metric(self, logits):
+        return one_metric(logits[0]) if self.one else metric(logits)
+
+    def out(self, logits):
+        """The hand forward's logits as the model returns them."""
+        return logits[0] if self.one else logits
+
+
+def _model_call(m, clean, corrupt):
+    return m, (clean,), (corrupt,)
+
+
+def _case(kind):
+    linen = lambda module: lambda p, a, b: (functools.partial(module.apply, p), (a,), (b,))  # noqa: E731
+    program_call = lambda f: lambda w, a, b: (f, (w, a), (w, b))  # noqa: E731
+    return {
+        "equinox": lambda: Case(eqx_model(), _model_call, _parts("blocks/*")),
+        "linen": lambda: Case(linen_params(), linen(LinenModel()), _parts("blocks_*")),
+        "program": lambda: Case(W, program_call(program), _parts("attn/*")),
+        "haiku": lambda: Case(
+            None, lambda _, a, b: (haiku_model(), (a,), (b,)), _parts("attn_*", out="linear")
+        ),
+        "equinox-vmap": lambda: Case(eqx_gpt(), _model_call, EQX_GPT_PARTS, one=True),
+        "equinox-vmap-batch": lambda: Case(
+            eqx_gpt(), lambda m, a, b: (jax.vmap(m), (a,), (b,)), EQX_GPT_PARTS
+        ),
+        "nnx-scan": lambda: Case(scanned(), _model_call, SCANNED_PARTS),
+        "linen-scan": lambda: Case(
+            linen_scanned_params(), linen(LinenScanned()), _parts("blocks/attn")
+        ),
+        "lax-scan": lambda: Case(W_STACKED, program_call(scan_program), _parts("attn")),
+    }[kind]()
+
+
+def haiku_model():
+    """Haiku's ``hk.MultiHeadAttention`` (its projections ``query``, ``key``, ``value``, its
+    output ``linear``, heads concatenated), the weights ``W``."""
+    hk = pytest.importorskip("haiku")
+
+    def forward(tokens):
+        x = hk.Embed(V, D, name="embed")(tokens)
+        mask = jnp.tril(jnp.ones((1, 1, T, T), bool))
+        for i in range(2):
+            attention = hk.MultiHeadAttention(H, DH, w_init=jnp.zeros, name=f"attn_{i}")
+            x = x + attention(x, x, x, mask=mask)
+        return hk.Linear(V, name="unembed")(x)
+
+    names = {"q": "query", "k": "key", "v": "value", "o": "linear"}
+    params = {"embed": {"embeddings": W["E"]}, "unembed": {"w": W["U"], "b": W["bU"]}}
+    for i, w in enumerate(W["layers"]):
+        params |= {f"attn_{i}/{names[n]}": {"w": w[n], "b": w[f"b{n}"]} for n in "qkvo"}
+    apply = hk.transform(forward).apply
+    return lambda tokens: apply(params, None, tokens)
+
+
+KINDS = [
+    "equinox",
+    "linen",
+    "program",
+    "equinox-vmap",
+    "equinox-vmap-batch",
+    "nnx-scan",
+    "linen-scan",
+    "lax-scan",
+]
+
+
+def eap_by_hand(case, edges, steps=1):
+    """EAP: the gradient of the metric with respect to the receiver's input at the clean run,
+    dotted with the sender's corrupted minus clean value; EAP-IG (``steps > 1``): the gradient's
+    mean over the runs whose embedding is ``corrupt + alpha * (clean - corrupt)``."""
+    clean_tokens, corrupt_tokens = case.tokens()
+    _, clean = hand(clean_tokens)
+    _, corrupt = hand(corrupt_tokens)
+    zeros = {r: jnp.zeros((*clean_tokens.shape, D)) for r in RECEIVERS}
+
+    def at(alpha):
+        mixed = corrupt["embed"] + alpha * (clean["embed"] - corrupt["embed"])
+        return jax.grad(lambda e: case.hand_metric(hand(clean_tokens, e, mixed)[0]))(zeros)
+
+    grads = [at(a / steps) for a in range(1, steps + 1)]
+    g = jax.tree.map(lambda *gs: sum(gs) / steps, *grads)
+    return {(s, r): float(jnp.sum((corrupt[s] - clean[s]) * g[r])) for s, r in edges}
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "haiku"])
+def test_eap_scores_are_the_hand_gradients_and_circuits_the_two_runs(kind):
+    case = _case(kind)
+    fn, clean, corrupt = case.args()
+    clean_tokens, corrupt_tokens = case.tokens()
+    np.testing.assert_allclose(fn(*clean), case.out(hand(clean_tokens)[0]), rtol=1e-5, atol=1e-5)
+    edges = hx.edge_attribution(fn, clean, corrupt, case.metric, case.parts)
+    assert set(edges) == {(s, r) for r in RECEIVERS for s in UPSTREAM[r]} and len(edges) == 29
+    for edge, want in eap_by_hand(case, CHECKED).items():
+        assert edges[edge] == pytest.approx(want, rel=1e-4, abs=1e-5), edge
+    np.testing.assert_array_equal(hx.run_circuit(fn, clean, corrupt, edges), fn(*clean))
+    none = hx.run_circuit(fn, clean, corrupt, edges.top(0))
+    np.testing.assert_allclose(none, fn(*corrupt), atol=1e-5)
+    # one edge cut: the receiver reads the sender's corrupted value (the hand forward)
+    _, c = hand(clean_tokens)
+    _, k = hand(corrupt_tokens)
+    y = hx.run_circuit(
+        fn, clean, corrupt, [e for e in edges if e != ("L0H0", "L1H1.k")], case.parts
     )
-    parts = hx.Components(
-        attn="blocks/*/attn",
-        embed="embed",
-        unembed="unembed",
-        heads="blocks/*/attn/output_proj",
-        qkv=tuple(f"blocks/*/attn/{n}_proj" for n in ("query", "key", "value")),
-        n_heads=H,
-    )
-    with pytest.raises(
-        hx.HookaxError,
-        match=r"hx.run_circuit: the call site 'embed' runs inside a jax.vmap.*Fix: write the "
-        r"parts that the components name on whole arrays",
-    ):
-        hx.run_circuit(jax.vmap(gpt), (CLEAN,), (CORRUPT,), [], parts)
+    want, _ = hand(clean_tokens, {"L1H1.k": k["L0H0"] - c["L0H0"]})
+    np.testing.assert_allclose(y, case.out(want), atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["program", "equinox-vmap", "equinox-vmap-batch", "nnx-scan"])
+def test_eap_ig_scores_are_the_hand_integrated_gradients(kind):
+    case = _case(kind)
+    fn, clean, corrupt = case.args()
+    edges = hx.edge_attribution(fn, clean, corrupt, case.metric, case.parts, steps=3)
+    for edge, want in eap_by_hand(case, CHECKED, steps=3).items():
+        assert edges[edge] == pytest.approx(want, rel=1e-4, abs=1e-5), edge
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_under_jit_with_the_model_as_an_argument(kind):
+    case = _case(kind)
+    every = [(s, r) for r in RECEIVERS for s in UPSTREAM[r]]
+
+    def call(model):
+        f, a, b = case.args(model)
+        y = hx.run_circuit(f, a, b, [e for e in every if e != ("L0H1", "L1H0.v")], case.parts)
+        grid = hx.path_patch(
+            f,
+            a,
+            b,
+            case.metric,
+            case.parts,
+            senders=["L0H0", "L0H1"],
+            receivers=["L1H1.k", "logits"],
+        )
+        return y, grid
+
+    # eqx.nn.MultiheadAttention holds a bool (its dropout's): Equinox's jit keeps it static
+    jit = eqx.filter_jit if kind.startswith("equinox-vmap") else jax.jit
+    y, grid = jit(call)(case.model)
+    clean_tokens, corrupt_tokens = case.tokens()
+    _, c = hand(clean_tokens)
+    _, k = hand(corrupt_tokens)
+    want, _ = hand(clean_tokens, {"L1H0.v": k["L0H1"] - c["L0H1"]})
+    np.testing.assert_allclose(y, case.out(want), atol=1e-5)
+    assert isinstance(grid, hx.LabelledArray) and grid.rows == ("L0H0", "L0H1")
+    assert grid.columns == ("L1H1.k", "logits")
+    for i, s in enumerate(grid.rows):
+        for j, r in enumerate(grid.columns):
+            want, _ = hand(clean_tokens, {r: k[s] - c[s]})
+            assert float(grid[i, j]) == pytest.approx(
+                float(case.hand_metric(want)), rel=1e-5, abs=1e-5
+            )
+    fn, clean, corrupt = case.args()
+    with pytest.raises(hx.HookaxError, match=r"hx.edge_attribution: called inside jax.jit"):
+        jax.jit(
+            lambda t: hx.edge_attribution(fn, (*clean[:-1], t), corrupt, case.metric, case.parts)
+        )(clean[-1])
+
+
+# --- parts inside a transform of the model's own: a clear error -------------------------------
 
 
 def remat_program(weights, tokens):
@@ -428,7 +568,8 @@ def test_parts_under_a_checkpoint_of_the_models_own_raise():
     with pytest.raises(
         hx.HookaxError,
         match=r"hx.path_patch: the call site 'attn/0/query' runs inside a transform the model "
-        r"applies itself \(jax.checkpoint / remat, a cond, a loop\).*Fix: call the parts outside",
+        r"applies itself \(jax.checkpoint / remat, a cond or a while_loop on traced values\)"
+        r".*Fix: call the parts outside the transform",
     ):
         hx.path_patch(
             remat_program,
@@ -439,3 +580,13 @@ def test_parts_under_a_checkpoint_of_the_models_own_raise():
             senders=["embed"],
             receivers=["logits"],
         )
+
+
+def test_components_that_match_no_call_site_raise_naming_them():
+    # a scanned stack's call sites are named once for every layer: "attn/out", not "attn/*/out"
+    with pytest.raises(
+        hx.HookaxError,
+        match=r"hx.run_circuit: components.heads names 'attn/\*/out', which matched no call "
+        r"site that ran. Fix: name the call sites as hx.capture\(fn\)\(\*args\)\[1\] lists",
+    ):
+        hx.run_circuit(scan_program, (W_STACKED, CLEAN), (W_STACKED, CORRUPT), [], _parts("attn/*"))

@@ -144,7 +144,7 @@ class _Run:
         role = self.role(context.key)
         if role is None or not args:
             return next_fun(*args, **kwargs)
-        maps = traces.vmaps(self.top, self.who, context.key, context._frame)
+        maps = traces.vmaps(self.top, self.who, context.key)
         if maps is None:
             return next_fun(*args, **kwargs)
         self.maps = maps
@@ -262,6 +262,22 @@ class _Run:
         )
 
 
+def _check_seen(run: _Run, parts: Components, who: str) -> None:
+    """Raise if a part the components name matched no call site that ran."""
+    named = {"heads": parts.heads, "mlp": parts.mlp}
+    named |= dict(zip(("q", "k", "v"), parts.qkv or ()))
+    missing = {role: glob for role, glob in named.items() if glob and role not in run.layer}
+    if missing:
+        role, glob = next(iter(missing.items()))
+        field = "qkv" if role in "qkv" else role
+        raise HookaxError(
+            f"{who}: components.{field} names {glob!r}, which matched no call site that ran. "
+            f"Fix: name the call sites as hx.capture(fn)(*args)[1] lists them (a stack of "
+            f"layers run by a scan by its suffix, 'blocks/attn/query'; unrolled layers with "
+            f"a '*', 'blocks/*/attn/query')."
+        )
+
+
 def _sites(parts: Components) -> tuple[str, ...]:
     sites = [*as_tuple(parts.embed), parts.heads, *(parts.qkv or ()), parts.mlp]
     sites += list(parts.norms or ())
@@ -302,6 +318,7 @@ def rewired(
                 f"{who}: the readout {parts.final_norm or parts.unembed!r} was not called; "
                 f"the call sites that ran must match the components' paths."
             )
+        _check_seen(run, parts, who)
         return y, run
 
     return call

@@ -9,7 +9,7 @@ front (outermost first, as ``hx.capture`` stacks them), and :func:`each` gives s
 value to the call site as its element's slice. A scan over stacked layers runs as a Python
 loop in the run (:func:`unrolled`), each iteration's call sites in the top trace, labelled by
 their layer in the order the loop runs them. A call site inside any other transform of the
-model's own (``jax.checkpoint``, a ``cond`` on a traced value, a ``while_loop``) raises.
+model's own (``jax.checkpoint``, a ``cond`` or a ``while_loop`` on traced values) raises.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def unrolled() -> Iterator[None]:
         yield
 
 
-def vmaps(top: Any, who: str, key: str, frame: Any) -> tuple[Any, ...] | None:
+def vmaps(top: Any, who: str, key: str) -> tuple[Any, ...] | None:
     """The ``jax.vmap`` traces between ``top`` and the current trace, outermost first; None
     in the pass Linen's ``nn.scan`` makes over its body before the scan (to find the outputs
     that do not change from layer to layer: the call sites run as they are, nothing is
@@ -49,27 +49,20 @@ def vmaps(top: Any, who: str, key: str, frame: Any) -> tuple[Any, ...] | None:
         if type(t).__name__ == "JaxprTrace" and _context._in_linen_scan_prepass():
             return None
         if t is None or type(t).__name__ != "BatchTrace":
-            _raise(who, key, frame)
+            _raise(who, key)
         found.append(t)
         t = t.parent_trace
     return tuple(found[::-1])
 
 
-def _raise(who: str, key: str, frame: Any) -> None:
-    if frame.in_scan():
-        where = "a loop (lax.while_loop, or a fori_loop over traced bounds)"
-        fix = (
-            "run the layers with lax.scan, nnx.scan or nn.scan (which hookax runs unrolled), "
-            "a fori_loop over static bounds, or a Python loop"
-        )
-    else:
-        where = "a transform the model applies itself (jax.checkpoint / remat, a cond, a loop)"
-        fix = "call the parts outside the transform (e.g. without remat)"
+def _raise(who: str, key: str) -> None:
     raise HookaxError(
-        f"{who}: the call site {key!r} runs inside {where}. The residual graph is read off "
-        f"one run in which every layer's parts are called one after another, each value "
-        f"visible to the parts after it; a value made inside such a transform is not. "
-        f"Fix: {fix}."
+        f"{who}: the call site {key!r} runs inside a transform the model applies itself "
+        f"(jax.checkpoint / remat, a cond or a while_loop on traced values). The residual "
+        f"graph is read off one run in which every layer's parts are called one after "
+        f"another, each value visible to the parts after it; a value made inside such a "
+        f"transform is not (jax.vmap and scans over layers are followed). Fix: call the "
+        f"parts outside the transform (e.g. without remat; a Python loop for a while_loop)."
     )
 
 

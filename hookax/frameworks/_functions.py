@@ -105,7 +105,10 @@ def program_of(fn: Any, args: tuple, kwargs: dict) -> _program.Program | None:
             if hit is not None:
                 _CACHE.move_to_end(key)
                 return None if hit is _MODULES else hit
-    prog = _program.discover(fn, args, kwargs)
+    # staged as JAX stages it, with jax.disable_jit too: a scan's body is one call site for
+    # every layer (the names the same as under jit; hx.run_circuit unrolls its layers so)
+    with jax.disable_jit(False):
+        prog = _program.discover(fn, args, kwargs)
     if key is not None and (prog is None or not _holds_tracer(prog.closed)):
         with _LOCK:
             _CACHE[key] = _MODULES if prog is None else prog
