@@ -100,11 +100,17 @@ def edge_attribution(
     ``components.qkv`` projections, one copy per head), each MLP's input (``"MLP{layer}"``)
     and the readout (``"logits"``: the input of ``final_norm``, else of ``unembed``). Each
     sender has an edge to every receiver that reads the stream after it is written: blocks are
-    taken as sequential, layers unrolled (a Python loop over modules), and each receiver reads
-    the stream itself, or through the norms ``components.norms`` names (pre-norm blocks: each
-    head's query, key and value read the norm of a copy of their own). The projections are
-    affine; each head reads its own copy of their input (head ``h`` of ``proj(x) +
-    linear(shift)``, the projection linearized). Flax NNX and Linen attention.
+    taken as sequential, and each receiver reads the stream itself, or through the norms
+    ``components.norms`` names (pre-norm blocks: each head's query, key and value read the
+    norm of a copy of their own). The projections are affine; each head reads its own copy of
+    their input (head ``h`` of ``proj(x) + linear(shift)``, the projection linearized). Flax
+    NNX, Linen, Equinox and Haiku models and plain programs; layers in a Python loop or a
+    scan over stacked layers (``nnx.scan``, ``nn.scan``, ``lax.scan``: run unrolled here,
+    each iteration labelled by its layer, its call sites named by suffix,
+    ``"blocks/attn/query"``); parts inside ``jax.vmap``s the model applies (Equinox's over
+    the positions, ``jax.vmap(model)`` over the batch: senders' values recorded whole,
+    each receiver shifted by its element's slice). A part inside another transform of the
+    model's own (``jax.checkpoint``, a ``cond`` or ``while_loop`` on traced values) raises.
 
     The score of edge ``(s, r)`` is ``sum((s_corrupt - s_clean) * g_r)`` over every batch
     element and position, where ``g_r`` is the gradient of the metric with respect to

@@ -8,8 +8,10 @@ pre-norm blocks, the inputs of the norms before the attention and the MLP. An
 edge joins every sender to every receiver called after it: blocks are taken to be sequential,
 each part reading the stream with every earlier output added.
 
-One interceptor does it all, on a model written the usual way (unrolled layers): it records
-each sender's value as the run makes it, and adds a *shift* to each receiver's input. A head
+One interceptor does it all: it records each sender's value as the run makes it, and adds a
+*shift* to each receiver's input. The model's scans run unrolled and its vmaps are followed
+(:mod:`hookax._circuits.traces`): values are kept whole, in the trace the model's call
+starts in. A head
 reads its own copy of the projection's input: the projections are affine, so head ``h`` of
 ``proj(x + shift)`` is head ``h`` of ``proj(x) + linear(shift)``, the projection linearized
 (``jax.linearize``: the module runs once, as Linen's compact modules require); a head's result
