@@ -396,10 +396,11 @@ def parity_circuits_hookax(session: nox.Session) -> None:
 def parity_circuits(session: nox.Session) -> None:
     """hookax's edge attribution patching and induction scores against auto-circuit 1.0.1 and
     TransformerLens 2.16.1 on the same trained weights (tests/parity/test_circuits_parity.py):
-    the logits and induction scores agree to 1e-5, EAP's scores to 1e-4 of the largest, the
-    top edges in the same order. Two venvs: auto-circuit needs NumPy < 2 (TransformerLens
-    2.16.1), JAX 0.10 NumPy >= 2; ``parity_circuits_hookax`` computes hookax's side and this
-    one, installed as ``parity`` installs (torch first, then the rest held to
+    the logits and induction scores agree to 1e-5, EAP's scores to 1e-4 of the largest, the top
+    edges in the same order; EAP-IG's to 1e-4 of the largest against its definition (Hanna et
+    al. 2024) computed with TransformerLens' hooks. Two venvs: auto-circuit needs NumPy < 2
+    (TransformerLens 2.16.1), JAX 0.10 NumPy >= 2; ``parity_circuits_hookax`` computes hookax's
+    side and this one, installed as ``parity`` installs (torch first, then the rest held to
     tests/parity/constraints-circuits.txt), the torch side. About 4 minutes on 2 cores from
     nothing (3 of them installing the torch side), 40 s with both venvs and the weights there;
     not ``make test`` nor ``make test-parity``."""

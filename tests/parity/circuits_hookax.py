@@ -1,8 +1,8 @@
 """The hookax side of the circuits parity check (``nox -s parity_circuits``): the trained
 induction model's weights in TransformerLens' layout, the prompts, and hookax's logits,
-induction scores and edge attribution scores, written to one ``.npz`` that
-``test_circuits_parity.py`` reads in the torch venv (auto-circuit 1.0.1 needs NumPy < 2, JAX
-0.10 NumPy >= 2: the two sides cannot share a venv).
+induction scores and edge attribution scores (EAP, and EAP-IG with ``IG_STEPS`` points),
+written to one ``.npz`` that ``test_circuits_parity.py`` reads in the torch venv (auto-circuit
+1.0.1 needs NumPy < 2, JAX 0.10 NumPy >= 2: the two sides cannot share a venv).
 
 ``python -m tests.parity.circuits_hookax OUT.npz``. The model is the small configuration of
 ``docs/circuits.md`` and ``tests/test_induction.py`` (2 layers, 2 heads of 16, 400 steps: a
@@ -25,6 +25,7 @@ from hookax.examples import induction
 
 CFG = induction.Config(vocab=32, d_model=32, n_heads=2, half=8, batch=32, steps=400)
 BATCH = 32
+IG_STEPS = 5  # EAP-IG's points (alpha = 1/5, 2/5, ..., 1)
 
 
 def prompts(cfg: induction.Config = CFG) -> dict[str, Any]:
@@ -97,6 +98,12 @@ def compute(cfg: induction.Config = CFG) -> dict[str, np.ndarray]:
         out[f"eap:{name}"] = edges.scores
         out["sources"], out["destinations"] = edges.sources, edges.destinations
         out[f"metric:{name}"] = [metric(model(p["clean"])), metric(model(p["corrupt"]))]
+        ig = hx.edge_attribution(
+            model, (p["clean"],), (p["corrupt"],), metric, induction.components(), steps=IG_STEPS
+        )
+        assert ig.sources == edges.sources and ig.destinations == edges.destinations
+        out[f"eap_ig:{name}"] = ig.scores
+    out["ig_steps"] = np.asarray(IG_STEPS)
     out["seconds"] = np.asarray([loaded, time.perf_counter() - start])
     return {k: np.asarray(v) for k, v in out.items()}
 

@@ -1,5 +1,6 @@
 """hookax's edge attribution patching and induction scores against auto-circuit 1.0.1 and
-TransformerLens 2.16.1 on the same trained weights (``nox -s parity_circuits``).
+TransformerLens 2.16.1 on the same trained weights (``nox -s parity_circuits``); EAP-IG
+against its definition computed on TransformerLens' hooks (the end of this file).
 
 The hookax side runs in a venv of its own (auto-circuit needs NumPy < 2, JAX 0.10 NumPy >= 2):
 :mod:`.circuits_hookax` trains (or loads) the small induction model of ``docs/circuits.md``
@@ -248,3 +249,108 @@ def test_the_same_circuit_on_top(saved: dict[str, np.ndarray]) -> None:
     edge = (f"L0H{int(prev[0].argmax())}", f"L1H{int(ind[1].argmax())}.k")
     c = compare(saved, "mask_gradient_logprob")
     assert edge in c["top"]["auto_circuit"][:TOP] and edge in c["top"]["hookax"][:TOP]
+
+
+# --- EAP-IG: against its definition, computed on TransformerLens -------------------------------
+
+# auto-circuit's ``mask_gradient_prune_scores(..., integrated_grad_samples=k)`` is another
+# quantity: it sums the gradients of every edge's mask at masks 0, 1/k, ..., 1 (k + 1 points),
+# every edge interpolated at once between the sender's value in that run and its corrupted one.
+# EAP-IG (Hanna et al. 2024) interpolates the input embeddings, ``corrupt + alpha * (clean -
+# corrupt)``, and averages the gradients of the receivers' inputs over ``alpha = 1/k, ..., 1``
+# (its code up to February 2025; later versions take ``alpha = 0, ..., (k - 1)/k``). The anchor
+# is that definition on TransformerLens' hooks: the embeddings' hook outputs replaced by the
+# interpolation, a zero added to each receiver's input to differentiate with respect to.
+IG_TOL = 1e-4  # relative to the largest score; measured 7.4e-8 (log-prob), 8.4e-8 (logit diff)
+
+
+def _sender(cache: Any, name: str) -> Any:
+    """A hookax sender's value from a TransformerLens cache, ``(batch, pos, d_model)``."""
+    if name in ("embed", "pos_embed"):
+        return cache[f"hook_{name}"]
+    layer, head = (int(v) for v in name[1:].split("H"))
+    return cache[f"blocks.{layer}.attn.hook_result"][:, :, head]
+
+
+def _receiver(name: str, n_layers: int) -> tuple[str, int | None]:
+    """A hookax receiver's hook and head (None: the whole stream)."""
+    if name == "logits":
+        return f"blocks.{n_layers - 1}.hook_resid_post", None
+    label, kind = name.split(".")
+    layer, head = (int(v) for v in label[1:].split("H"))
+    return f"blocks.{layer}.hook_{kind}_input", head
+
+
+def _torch_metric(s: dict[str, np.ndarray], metric: str) -> Any:
+    answer, wrong = tokens(s, "answer"), tokens(s, "wrong")
+    rows = torch.arange(len(answer))
+    if metric == "logprob":
+        return lambda y: torch.log_softmax(y[:, -1], -1)[rows, answer].mean()
+    return lambda y: (y[rows, -1, answer] - y[rows, -1, wrong]).mean()
+
+
+def eap_ig_by_hand(
+    s: dict[str, np.ndarray], metric: str, steps: int, first: int = 1
+) -> dict[tuple[str, str], float]:
+    """EAP-IG on TransformerLens, from its definition, with ``alpha = first/steps, ...,
+    (first + steps - 1)/steps``: ``sum((s_corrupt - s_clean) * mean_alpha(d metric / d r))``
+    for every edge of hookax's graph (``steps=1``: EAP)."""
+    model = tl_model(s)
+    n_layers = model.cfg.n_layers
+    clean, corrupt = tokens(s, "clean"), tokens(s, "corrupt")
+    edges = list(zip((str(x) for x in s["sources"]), (str(x) for x in s["destinations"])))
+    with torch.no_grad():
+        _, clean_cache = model.run_with_cache(clean)
+        _, corrupt_cache = model.run_with_cache(corrupt)
+    hooks = sorted({_receiver(r, n_layers)[0] for _, r in edges})
+    grads = {h: torch.zeros_like(clean_cache[h]) for h in hooks}
+    f = _torch_metric(s, metric)
+    for k in range(first, first + steps):
+        alpha = k / steps
+        zeros = {h: torch.zeros_like(clean_cache[h], requires_grad=True) for h in hooks}
+
+        def mix(act: Any, hook: Any, alpha: float = alpha) -> Any:
+            c = corrupt_cache[hook.name]
+            return c + alpha * (clean_cache[hook.name] - c)
+
+        def shift(act: Any, hook: Any, zeros: dict = zeros) -> Any:
+            return act + zeros[hook.name]
+
+        fwd = [("hook_embed", mix), ("hook_pos_embed", mix)] + [(h, shift) for h in hooks]
+        y = model.run_with_hooks(clean, fwd_hooks=fwd)
+        got = torch.autograd.grad(f(y), [zeros[h] for h in hooks])
+        for h, g in zip(hooks, got):
+            grads[h] += g / steps
+    out = {}
+    for src, dest in edges:
+        delta = _sender(corrupt_cache, src) - _sender(clean_cache, src)
+        hook, head = _receiver(dest, n_layers)
+        g = grads[hook] if head is None else grads[hook][:, :, head]
+        out[(src, dest)] = float((delta.double() * g.double()).sum())
+    return out
+
+
+def _relative(s: dict[str, np.ndarray], key: str, anchor: dict) -> tuple[float, float]:
+    mine = {(str(a), str(b)): float(v) for a, b, v in zip(s["sources"], s["destinations"], s[key])}
+    assert set(mine) == set(anchor)
+    diff = max(abs(mine[e] - anchor[e]) for e in anchor)
+    scale = max(abs(v) for v in anchor.values())
+    return diff / scale, scale
+
+
+@pytest.mark.parametrize("metric", ["logprob", "logit_diff"])
+def test_eap_ig_agrees_with_its_definition_on_transformer_lens(
+    saved: dict[str, np.ndarray], metric: str
+) -> None:
+    # the anchor with one point is EAP, which auto-circuit agrees with (above)
+    relative, scale = _relative(saved, f"eap:{metric}", eap_ig_by_hand(saved, metric, 1))
+    assert scale > 0.1 and relative <= REL_TOL, relative
+    steps = int(saved["ig_steps"])
+    anchor = eap_ig_by_hand(saved, metric, steps)
+    relative, scale = _relative(saved, f"eap_ig:{metric}", anchor)
+    assert scale > 0.1 and relative <= IG_TOL, (
+        f"{metric}: max |anchor - hookax| EAP-IG = {relative:.3g} of the largest {scale:.3g}"
+    )
+    # the grids differ: EAP-IG's points are not EAP's, nor those of alpha = 0, ..., (k-1)/k
+    for other in (eap_ig_by_hand(saved, metric, 1), eap_ig_by_hand(saved, metric, steps, 0)):
+        assert _relative(saved, f"eap_ig:{metric}", other)[0] > 100 * IG_TOL
