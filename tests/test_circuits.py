@@ -2,6 +2,7 @@
 forward of a two-layer attention-only transformer in which every head reads its own copy of the
 stream for its query, key and value."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -571,6 +572,121 @@ def test_pre_norm_blocks_as_the_hand_forward():
         f"L1H{b}.k": sum(corrupt[f"L0H{a}"] - clean[f"L0H{a}"] for a in range(2)) for b in range(2)
     }
     np.testing.assert_allclose(y, hand_prenorm(model, CLEAN, extra)[0], atol=1e-5)
+
+
+class EqxPreNormBlock(eqx.Module):
+    """``PreNormBlock`` as Equinox writes it: one sequence, the norms, the MLP and the
+    attention's projections mapped over the positions by ``jax.vmap``."""
+
+    ln1: eqx.nn.LayerNorm
+    attn: eqx.nn.MultiheadAttention
+    ln2: eqx.nn.LayerNorm
+    mlp: eqx.nn.MLP
+
+    def __call__(self, x):
+        h = jax.vmap(self.ln1)(x)
+        x = x + self.attn(h, h, h, mask=jnp.tril(jnp.ones((len(x), len(x)), bool)))
+        return x + jax.vmap(self.mlp)(jax.vmap(self.ln2)(x))
+
+
+class EqxPreNorm(eqx.Module):
+    embed: eqx.nn.Embedding
+    pos_embed: eqx.nn.Embedding
+    blocks: list
+    ln_f: eqx.nn.LayerNorm
+    unembed: eqx.nn.Linear
+
+    def __call__(self, tokens):
+        x = jax.vmap(self.embed)(tokens) + jax.vmap(self.pos_embed)(jnp.arange(len(tokens)))
+        for block in self.blocks:
+            x = block(x)
+        return jax.vmap(self.unembed)(jax.vmap(self.ln_f)(x))
+
+
+def eqx_prenorm(model):
+    """``EqxPreNorm`` with the weights of the NNX ``PreNorm`` ``model``."""
+    key = jax.random.key(0)
+
+    def linear(kernel, bias):
+        lin = eqx.nn.Linear(kernel.shape[0], kernel.shape[1], key=key)
+        return eqx.tree_at(lambda m: (m.weight, m.bias), lin, (kernel.T, bias))
+
+    def norm(ln):
+        out = eqx.nn.LayerNorm(8, eps=ln.epsilon)
+        return eqx.tree_at(lambda m: (m.weight, m.bias), out, (ln.scale[...], ln.bias[...]))
+
+    def embedding(table):
+        return eqx.tree_at(lambda m: m.weight, eqx.nn.Embedding(*table.shape, key=key), table)
+
+    def block(b):
+        flat = lambda lin: linear(lin.kernel[...].reshape(8, 8), lin.bias[...].reshape(8))  # noqa: E731
+        biases = {f"use_{n}_bias": True for n in ("query", "key", "value", "output")}
+        attn = eqx.nn.MultiheadAttention(2, 8, **biases, key=key)
+        projections = (flat(b.attn.query), flat(b.attn.key), flat(b.attn.value))
+        out = linear(b.attn.out.kernel[...].reshape(8, 8), b.attn.out.bias[...])
+        attn = eqx.tree_at(
+            lambda m: (m.query_proj, m.key_proj, m.value_proj, m.output_proj),
+            attn,
+            (*projections, out),
+        )
+        mlp = eqx.nn.MLP(8, 8, 16, 1, activation=jax.nn.gelu, key=key)
+        up, down = b.mlp.layers[0], b.mlp.layers[2]
+        layers = (linear(up.kernel[...], up.bias[...]), linear(down.kernel[...], down.bias[...]))
+        mlp = eqx.tree_at(lambda m: m.layers, mlp, layers)
+        return EqxPreNormBlock(norm(b.ln1), attn, norm(b.ln2), mlp)
+
+    return EqxPreNorm(
+        embedding(model.embed.embedding[...]),
+        embedding(model.pos_embed.embedding[...]),
+        [block(b) for b in model.blocks],
+        norm(model.ln_f),
+        linear(model.unembed.kernel[...], model.unembed.bias[...]),
+    )
+
+
+EQX_PRENORM_PARTS = hx.Components(
+    attn="blocks/*/attn",
+    mlp="blocks/*/mlp",
+    embed=("embed", "pos_embed"),
+    final_norm="ln_f",
+    unembed="unembed",
+    heads="blocks/*/attn/output_proj",
+    qkv=tuple(f"blocks/*/attn/{n}_proj" for n in ("query", "key", "value")),
+    norms=("blocks/*/ln1", "blocks/*/ln2"),
+    n_heads=2,
+)
+
+
+def test_pre_norm_blocks_written_for_equinox_under_vmap_as_the_hand_forward():
+    """The norms' outputs, made in one ``jax.vmap``, read by the projections in others: each
+    head's copies follow them; the MLP and the readout inside vmaps too."""
+    nnx_model = PreNorm(nnx.Rngs(2))
+    fn = jax.vmap(eqx_prenorm(nnx_model))
+    np.testing.assert_allclose(fn(CLEAN), hand_prenorm(nnx_model, CLEAN, {})[0], atol=1e-5)
+    edges = hx.edge_attribution(fn, (CLEAN,), (CORRUPT,), metric, EQX_PRENORM_PARTS)
+    assert len(edges) == 2 * 6 + 5 * 6 + 4 + 7 + 8
+    _, clean = hand_prenorm(nnx_model, CLEAN, {})
+    _, corrupt = hand_prenorm(nnx_model, CORRUPT, {})
+    receivers = ("L0H1.k", "L1H0.q", "L1H1.v", "MLP0", "MLP1", "logits")
+    zeros = {r: jnp.zeros((2, 6, 8)) for r in receivers}
+    g = jax.grad(lambda e: metric(hand_prenorm(nnx_model, CLEAN, e)[0]))(zeros)
+    for s, r in [("embed", "L0H1.k"), ("L0H0", "L1H0.q"), ("MLP0", "L1H1.v"), ("L0H1", "MLP0")]:
+        want = float(jnp.sum((corrupt[s] - clean[s]) * g[r]))
+        assert edges[s, r] == pytest.approx(want, rel=1e-4, abs=1e-5), (s, r)
+    for s, r in [("L1H1", "MLP1"), ("MLP1", "logits")]:
+        want = float(jnp.sum((corrupt[s] - clean[s]) * g[r]))
+        assert edges[s, r] == pytest.approx(want, rel=1e-4, abs=1e-5), (s, r)
+    np.testing.assert_allclose(
+        hx.run_circuit(fn, (CLEAN,), (CORRUPT,), edges), fn(CLEAN), atol=1e-5
+    )
+    none = hx.run_circuit(fn, (CLEAN,), (CORRUPT,), [], EQX_PRENORM_PARTS)
+    np.testing.assert_allclose(none, fn(CORRUPT), atol=1e-5)
+    cut = {("L0H0", "L1H1.k"), ("MLP0", "logits")}
+    y = hx.run_circuit(
+        fn, (CLEAN,), (CORRUPT,), [e for e in edges if e not in cut], EQX_PRENORM_PARTS
+    )
+    extra = {"L1H1.k": corrupt["L0H0"] - clean["L0H0"], "logits": corrupt["MLP0"] - clean["MLP0"]}
+    np.testing.assert_allclose(y, hand_prenorm(nnx_model, CLEAN, extra)[0], atol=1e-5)
 
 
 def test_path_patch_is_a_labelled_array_of_senders_by_receivers(model):

@@ -580,6 +580,10 @@ def test_parts_under_a_checkpoint_of_the_models_own_raise():
             senders=["embed"],
             receivers=["logits"],
         )
+    # nothing is left behind: the scans the run unrolled (jax.disable_jit) are staged again
+    assert not jax.config.jax_disable_jit
+    y, _ = jax.make_jaxpr(scan_program, return_shape=True)(W_STACKED, CLEAN)
+    assert "scan" in str(y)
 
 
 def test_components_that_match_no_call_site_raise_naming_them():
