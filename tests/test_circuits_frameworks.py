@@ -2,7 +2,8 @@
 (two heads, biases everywhere) written for Equinox, Linen, Haiku and as a plain program over a
 weight pytree, each from one set of weights, against one forward unrolled by hand; written the
 usual ways of each (Equinox's ``jax.vmap`` over the positions inside the model and over the
-batch around it; a stack of layers scanned by ``nnx.scan``, ``nn.scan`` and ``lax.scan``);
+batch around it; a stack of layers scanned by ``nnx.scan``, ``nn.scan``, ``lax.scan`` and
+Haiku's ``layer_stack``);
 under ``jax.jit`` with the model as an argument; and a model whose parts run inside a
 checkpoint of its own, which raises."""
 
@@ -418,6 +419,7 @@ def _case(kind):
             None, lambda _, a, b: (haiku_model(), (a,), (b,)), _parts("attn_*", out="linear")
         ),
         "equinox-vmap": lambda: Case(eqx_gpt(), _model_call, EQX_GPT_PARTS, one=True),
+        "haiku-scan": _haiku_scan,
         "equinox-vmap-batch": lambda: Case(
             eqx_gpt(), lambda m, a, b: (jax.vmap(m), (a,), (b,)), EQX_GPT_PARTS
         ),
@@ -450,6 +452,37 @@ def haiku_model():
     return lambda tokens: apply(params, None, tokens)
 
 
+def haiku_stacked():
+    """``(apply, params)``: the Haiku model with its layers stacked by
+    ``hk.experimental.layer_stack`` (a scan; call sites
+    ``__layer_stack_no_per_layer/attn/query``, ...), the weights ``W``."""
+    hk = pytest.importorskip("haiku")
+
+    def forward(tokens):
+        x = hk.Embed(V, D, name="embed")(tokens)
+        mask = jnp.tril(jnp.ones((1, 1, T, T), bool))
+
+        @hk.experimental.layer_stack(2)
+        def layer(x):
+            attention = hk.MultiHeadAttention(H, DH, w_init=jnp.zeros, name="attn")
+            return x + attention(x, x, x, mask=mask)
+
+        return hk.Linear(V, name="unembed")(layer(x))
+
+    names = {"q": "query", "k": "key", "v": "value", "o": "linear"}
+    params = {"embed": {"embeddings": W["E"]}, "unembed": {"w": W["U"], "b": W["bU"]}}
+    for n, name in names.items():
+        stacked = {"w": _stacked(lambda w: w[n]), "b": _stacked(lambda w: w[f"b{n}"])}  # noqa: B023
+        params[f"__layer_stack_no_per_layer/attn/{name}"] = stacked
+    return hk.transform(forward).apply, params
+
+
+def _haiku_scan():
+    apply, params = haiku_stacked()
+    build = lambda p, a, b: (functools.partial(apply, p, None), (a,), (b,))  # noqa: E731
+    return Case(params, build, _parts("__layer_stack_no_per_layer/attn", out="linear"))
+
+
 KINDS = [
     "equinox",
     "linen",
@@ -459,6 +492,7 @@ KINDS = [
     "nnx-scan",
     "linen-scan",
     "lax-scan",
+    "haiku-scan",
 ]
 
 
