@@ -25,7 +25,7 @@ from .._engine import context as _context
 from .._util.errors import HookaxError
 from .._util.jaxcompat import batching, core
 
-__all__ = ["each", "unrolled", "vmaps", "whole"]
+__all__ = ["each", "root", "unrolled", "vmaps", "whole"]
 
 
 @contextlib.contextmanager
