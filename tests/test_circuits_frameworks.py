@@ -2,8 +2,8 @@
 (two heads, biases everywhere) written for Equinox, Linen, Haiku and as a plain program over a
 weight pytree, each from one set of weights, against one forward unrolled by hand; written the
 usual ways of each (Equinox's ``jax.vmap`` over the positions inside the model and over the
-batch around it; a stack of layers scanned by ``nnx.scan``, ``nn.scan``, ``lax.scan`` and
-Haiku's ``layer_stack``);
+batch around it; a stack of layers scanned by ``nnx.scan``, ``nn.scan``, ``lax.scan`` (over
+Equinox's stacked blocks too) and Haiku's ``layer_stack``);
 under ``jax.jit`` with the model as an argument; and a model whose parts run inside a
 checkpoint of its own, which raises."""
 
@@ -420,6 +420,9 @@ def _case(kind):
         ),
         "equinox-vmap": lambda: Case(eqx_gpt(), _model_call, EQX_GPT_PARTS, one=True),
         "haiku-scan": _haiku_scan,
+        "equinox-scan": lambda: Case(
+            eqx_scan_gpt(), lambda m, a, b: (jax.vmap(m), (a,), (b,)), EQX_SCAN_PARTS
+        ),
         "equinox-vmap-batch": lambda: Case(
             eqx_gpt(), lambda m, a, b: (jax.vmap(m), (a,), (b,)), EQX_GPT_PARTS
         ),
@@ -477,6 +480,38 @@ def haiku_stacked():
     return hk.transform(forward).apply, params
 
 
+class EqxScanGPT(eqx.Module):
+    """``EqxGPT`` with its blocks stacked and run by ``lax.scan``, as Equinox scans layers (call
+    sites ``blocks/attn/query_proj``, ...)."""
+
+    embed: eqx.nn.Embedding
+    blocks: EqxBlock
+    unembed: eqx.nn.Linear
+
+    def __call__(self, tokens):
+        x = jax.vmap(self.embed)(tokens)
+        arrays, static = eqx.partition(self.blocks, eqx.is_array)
+        step = lambda x, layer: (eqx.combine(layer, static)(x), None)  # noqa: E731
+        x, _ = jax.lax.scan(step, x, arrays)
+        return jax.vmap(self.unembed)(x)
+
+
+def eqx_scan_gpt():
+    gpt = eqx_gpt()
+    stack = lambda *a: jnp.stack(a) if eqx.is_array(a[0]) else a[0]  # noqa: E731
+    return EqxScanGPT(gpt.embed, jax.tree.map(stack, *gpt.blocks), gpt.unembed)
+
+
+EQX_SCAN_PARTS = hx.Components(
+    attn="blocks/attn",
+    embed="embed",
+    unembed="unembed",
+    heads="blocks/attn/output_proj",
+    qkv=tuple(f"blocks/attn/{n}_proj" for n in ("query", "key", "value")),
+    n_heads=H,
+)
+
+
 def _haiku_scan():
     apply, params = haiku_stacked()
     build = lambda p, a, b: (functools.partial(apply, p, None), (a,), (b,))  # noqa: E731
@@ -492,6 +527,7 @@ KINDS = [
     "nnx-scan",
     "linen-scan",
     "lax-scan",
+    "equinox-scan",
     "haiku-scan",
 ]
 
@@ -566,7 +602,11 @@ def test_under_jit_with_the_model_as_an_argument(kind):
         return y, grid
 
     # eqx.nn.MultiheadAttention holds a bool (its dropout's): Equinox's jit keeps it static
-    jit = eqx.filter_jit if kind.startswith("equinox-vmap") else jax.jit
+    jit = (
+        eqx.filter_jit
+        if kind in ("equinox-vmap", "equinox-vmap-batch", "equinox-scan")
+        else jax.jit
+    )
     y, grid = jit(call)(case.model)
     clean_tokens, corrupt_tokens = case.tokens()
     _, c = hand(clean_tokens)
