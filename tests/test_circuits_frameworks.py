@@ -1,11 +1,11 @@
-"""Circuits on every kind of model hookax reads: the same two-layer attention-only transformer
-(two heads, biases everywhere) written for Equinox, Linen, Haiku and as a plain program over a
-weight pytree, each from one set of weights, against one forward unrolled by hand; written the
-usual ways of each (Equinox's ``jax.vmap`` over the positions inside the model and over the
-batch around it; a stack of layers scanned by ``nnx.scan``, ``nn.scan``, ``lax.scan`` (over
-Equinox's stacked blocks too) and Haiku's ``layer_stack``);
-under ``jax.jit`` with the model as an argument; and a model whose parts run inside a
-checkpoint of its own, which raises."""
+"""Circuits on every kind of model hookax reads: the same two-layer attention-only transformer (two
+heads, biases everywhere) written for Equinox, Linen, Haiku and as a plain program over a weight
+pytree, each from one set of weights, against one forward unrolled by hand; written the usual
+ways of each (Equinox's ``jax.vmap`` over the positions inside the model and over the batch
+around it; a stack of layers scanned by ``nnx.scan``, ``nn.scan``, ``lax.scan`` (over Equinox's
+stacked blocks too) and Haiku's ``layer_stack``); under ``jax.jit`` with the model as an
+argument; and models whose parts run inside a checkpoint, a cond or a while loop of their own,
+which raise."""
 
 import dataclasses
 import functools
@@ -638,19 +638,51 @@ def remat_program(weights, tokens):
     return unembed(x, weights)
 
 
-def test_parts_under_a_checkpoint_of_the_models_own_raise():
+def cond_program(weights, tokens):
+    """The second layer under a ``lax.cond`` on the tokens (traced)."""
+    x = embed(tokens, weights["E"])
+    x = x + attn(x, weights["layers"][0])
+    w = weights["layers"][1]
+    x = jax.lax.cond(tokens.sum() > 0, lambda x: x + attn(x, w), lambda x: x, x)
+    return unembed(x, weights)
+
+
+def while_program(weights, tokens):
+    """The layers in a ``lax.while_loop`` whose bound the tokens give (traced)."""
+    x = embed(tokens, weights["E"])
+    n = jnp.minimum(tokens.max(), 2)
+
+    def body(carry):
+        i, x = carry
+        w = jax.tree.map(lambda a: a[i], weights["layers"])
+        return i + 1, x + attn(x, w)
+
+    _, x = jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))
+    return unembed(x, weights)
+
+
+@pytest.mark.parametrize(
+    ("program_", "weights", "site"),
+    [
+        (remat_program, W, "attn/0/query"),
+        (cond_program, W, "attn/1/query"),
+        (while_program, W_STACKED, "body/attn/query"),
+    ],
+)
+def test_parts_under_a_transform_of_the_models_own_raise(program_, weights, site):
+    parts = _parts("body/attn" if program_ is while_program else "attn/*")
     with pytest.raises(
         hx.HookaxError,
-        match=r"hx.path_patch: the call site 'attn/0/query' runs inside a transform the model "
+        match=rf"hx.path_patch: the call site '{site}' runs inside a transform the model "
         r"applies itself \(jax.checkpoint / remat, a cond or a while_loop on traced values\)"
         r".*Fix: call the parts outside the transform",
     ):
         hx.path_patch(
-            remat_program,
-            (W, CLEAN),
-            (W, CORRUPT),
+            program_,
+            (weights, CLEAN),
+            (weights, CORRUPT),
             metric,
-            _parts("attn/*"),
+            parts,
             senders=["embed"],
             receivers=["logits"],
         )
