@@ -116,10 +116,11 @@ def edge_attribution(
     element and position, where ``g_r`` is the gradient of the metric with respect to
     ``r``'s input at the clean run (``steps=1``), or its mean over ``steps`` runs of the
     clean input whose embeddings are ``corrupt + alpha * (clean - corrupt)`` for ``alpha =
-    1/steps, 2/steps, ..., 1``. It estimates ``metric`` with that edge corrupted minus
-    ``metric`` clean (the first-order term; exact when the metric is linear in ``r``'s
-    input). One compiled program: the corrupted forward, and the clean forward and backward
-    (``steps`` of them for EAP-IG).
+    1/steps, 2/steps, ..., 1`` (Hanna et al.'s points; ``nox -s parity_circuits`` checks it
+    against that definition computed with TransformerLens' hooks). It estimates ``metric``
+    with that edge corrupted minus ``metric`` clean (the first-order term; exact when the
+    metric is linear in ``r``'s input). One compiled program: the corrupted forward, and the
+    clean forward and backward (``steps`` of them for EAP-IG).
 
     Args:
       fn: the model or function, ``fn(*clean_args)``.
