@@ -10,14 +10,13 @@ each part reading the stream with every earlier output added.
 
 One interceptor does it all: it records each sender's value as the run makes it, and adds a
 *shift* to each receiver's input. The model's scans run unrolled and its vmaps are followed
-(:mod:`hookax._circuits.traces`): values are kept whole, in the trace the model's call
-starts in. A head
-reads its own copy of the projection's input: the projections are affine, so head ``h`` of
-``proj(x + shift)`` is head ``h`` of ``proj(x) + linear(shift)``, the projection linearized
-(``jax.linearize``: the module runs once, as Linen's compact modules require); a head's result
-is the output projection's linear part applied to that head's part of its input. The shifts
-are zeros to differentiate with respect to (each receiver's gradient), or, to corrupt edges,
-``corrupt - value`` of the senders whose edge to that receiver is cut.
+(:mod:`hookax._circuits.traces`): values are kept whole, in the trace the model's call starts
+in. A head reads its own copy of the projection's input: the projections are affine, so head
+``h`` of ``proj(x + shift)`` is head ``h`` of ``proj(x) + linear(shift)``, the projection
+linearized (``jax.linearize``: the module runs once, as Linen's compact modules require); a
+head's result is the output projection's linear part applied to that head's part of its input.
+The shifts are zeros to differentiate with respect to (each receiver's gradient), or, to corrupt
+edges, ``corrupt - value`` of the senders whose edge to that receiver is cut.
 """
 
 from __future__ import annotations
