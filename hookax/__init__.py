@@ -96,6 +96,7 @@ from ._summary.summary import SummaryTotals as SummaryTotals
 from ._summary.summary import summary as summary
 from ._transforms.optrace import OpContext as OpContext
 from ._util.compcache import compilation_cache as compilation_cache
+from ._engine.firstcall import first_call as first_call
 from ._util.errors import HookaxError as HookaxError
 from ._util.errors import HookError as HookError
 from ._util.errors import SelectorError as SelectorError
@@ -153,6 +154,7 @@ __all__ = [
     "edge_attribution",
     "faithfulness",
     "find_nonfinite",
+    "first_call",
     "grad_flow",
     "harvest",
     "hook_grad",
