@@ -50,6 +50,7 @@ from ._engine.adapters import StaleTraceWarning as StaleTraceWarning
 from ._engine.adapters import ensure_installed as _ensure_installed
 from ._engine.adapters import key_linen_interceptors as key_linen_interceptors
 from ._engine.context import Context as Context
+from ._engine.firstcall import first_call as first_call
 from ._engine.select import Select as Select
 from ._engine.select import Selector as Selector
 from ._engine.select import Where as Where
@@ -96,7 +97,6 @@ from ._summary.summary import SummaryTotals as SummaryTotals
 from ._summary.summary import summary as summary
 from ._transforms.optrace import OpContext as OpContext
 from ._util.compcache import compilation_cache as compilation_cache
-from ._engine.firstcall import first_call as first_call
 from ._util.errors import HookaxError as HookaxError
 from ._util.errors import HookError as HookError
 from ._util.errors import SelectorError as SelectorError

@@ -204,9 +204,25 @@ class Program:
         if how == "auto" and not small(jaxpr):
             return None
         outs = numpyeval.evaluate(jaxpr, closed.consts, leaves)
-        arrays = [jax.device_put(np.asarray(o)) for o in outs]
+        arrays = [_array(o, v.aval) for o, v in zip(outs, jaxpr.outvars)]
         self.interpreted += 1
         return jax.tree.unflatten(traced.out_tree, arrays)
+
+
+def _array(x: Any, aval: Any) -> Any:
+    """A result as the compiled program gives it: a ``jax.Array``, weakly typed where the
+    program's result is (later operations on it then hit the caches the compiled results
+    fill)."""
+    out = jax.device_put(np.asarray(x))
+    if getattr(aval, "weak_type", False):
+        try:
+            from jax._src import array as _array_impl
+
+            weak = core.ShapedArray(out.shape, out.dtype, weak_type=True)
+            out = _array_impl.ArrayImpl(weak, out.sharding, out._arrays, committed=out._committed)
+        except Exception:  # another JAX's internals: the array as it is
+            pass
+    return out
 
 
 def small(jaxpr: Any) -> bool:

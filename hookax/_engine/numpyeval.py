@@ -16,8 +16,13 @@ references (``jax.new_ref``: ``get``, ``swap``, ``addupdate``) are NumPy arrays 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
+import glob
 import math
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -61,11 +66,11 @@ def _impl(*names: str, multi: bool = False, check: Callable[[Any], bool] | None 
     return register
 
 
-def _unary(name: str, fn: Callable[[np.ndarray], Any]) -> None:
+def _unary(name: str, fn: Callable[..., Any]) -> None:
     _IMPLS[name] = lambda x, **_: fn(x)
 
 
-def _binary(name: str, fn: Callable[[np.ndarray, np.ndarray], Any]) -> None:
+def _binary(name: str, fn: Callable[..., Any]) -> None:
     _IMPLS[name] = lambda x, y, **_: fn(x, y)
 
 
@@ -78,7 +83,7 @@ def _logistic(x: np.ndarray) -> Any:
     return one / (one + np.exp(-x))
 
 
-for _name, _fn in {
+_UNARY: dict[str, Callable[..., Any]] = {
     "neg": np.negative,
     "exp": np.exp,
     "exp2": np.exp2,
@@ -102,10 +107,11 @@ for _name, _fn in {
     "copy_p": np.array,
     "stop_gradient": lambda x: x,
     "real": np.real,
-}.items():
+}
+for _name, _fn in _UNARY.items():
     _unary(_name, _fn)
 
-for _name, _fn in {
+_BINARY: dict[str, Callable[..., Any]] = {
     "add": np.add,
     "add_any": np.add,
     "sub": np.subtract,
@@ -114,7 +120,6 @@ for _name, _fn in {
     "min": np.minimum,
     "pow": np.power,
     "atan2": np.arctan2,
-    "rem": np.fmod,
     "eq": np.equal,
     "ne": np.not_equal,
     "lt": np.less,
@@ -124,16 +129,38 @@ for _name, _fn in {
     "and": np.bitwise_and,
     "or": np.bitwise_or,
     "xor": np.bitwise_xor,
-}.items():
+    "shift_left": np.left_shift,
+    "shift_right_arithmetic": np.right_shift,
+}
+for _name, _fn in _BINARY.items():
     _binary(_name, _fn)
 
 
 @_impl("div")
 def _div(x: np.ndarray, y: np.ndarray) -> Any:
-    if np.issubdtype(x.dtype, np.integer):  # XLA rounds toward zero
-        q = np.floor_divide(x, y)
-        return np.where((np.remainder(x, y) != 0) & ((x < 0) != (y < 0)), q + 1, q)
+    if np.issubdtype(x.dtype, np.integer):  # XLA rounds toward zero; x / 0 is -1 (all ones)
+        x, y = np.broadcast_arrays(x, y)
+        zero = y == 0
+        safe = np.where(zero, 1, y).astype(y.dtype)
+        q = np.floor_divide(x, safe)
+        q = np.where((np.remainder(x, safe) != 0) & ((x < 0) != (safe < 0)), q + 1, q)
+        return np.where(zero, np.array(-1).astype(x.dtype), q)
     return np.divide(x, y)
+
+
+@_impl("rem")
+def _rem(x: np.ndarray, y: np.ndarray) -> Any:
+    if np.issubdtype(x.dtype, np.integer):  # x % 0 is x
+        x, y = np.broadcast_arrays(x, y)
+        zero = y == 0
+        return np.where(zero, x, np.fmod(x, np.where(zero, 1, y).astype(y.dtype)))
+    return np.fmod(x, y)
+
+
+@_impl("shift_right_logical")
+def _shift_right_logical(x: np.ndarray, y: np.ndarray) -> Any:
+    unsigned = x.dtype.str.replace("i", "u")
+    return np.right_shift(x.view(unsigned), y.astype(unsigned)).view(x.dtype)
 
 
 @_impl("integer_pow")
@@ -155,6 +182,13 @@ def _erf(x: np.ndarray) -> Any:
     import scipy.special
 
     return scipy.special.erf(x).astype(x.dtype)
+
+
+@_impl("erfc")
+def _erfc(x: np.ndarray) -> Any:
+    import scipy.special
+
+    return scipy.special.erfc(x).astype(x.dtype)
 
 
 @_impl("erf_inv")
@@ -526,7 +560,7 @@ def _ref_index(ref: _Ref, flat: Sequence[Any], tree: Any) -> Any:
         return Ellipsis
     if len(transforms) != 1 or not hasattr(transforms[0], "indices"):
         raise NotImplementedError("reference transforms")
-    index = []
+    index: list[Any] = []
     for i in transforms[0].indices:
         if hasattr(i, "start") and hasattr(i, "size"):
             start, size, stride = int(i.start), int(i.size), int(i.stride)
@@ -582,6 +616,7 @@ _CALLS = {  # primitive -> the parameter holding its body
     "custom_vjp_call_jaxpr": "fun_jaxpr",
     "checkpoint": "jaxpr",
     "remat": "jaxpr",
+    "remat2": "jaxpr",
     "custom_lin": None,
 }
 _LOOPS = frozenset({"scan", "while", "cond"})
@@ -600,7 +635,10 @@ def _subjaxprs(eqn: Any) -> list[Any]:
 
 def _aval_ok(aval: Any) -> bool:
     if isinstance(aval, core.ShapedArray):
-        return np.dtype(aval.dtype) in _DTYPES
+        try:
+            return np.dtype(aval.dtype) in _DTYPES
+        except TypeError:  # an extended dtype: PRNG keys
+            return False
     return type(aval).__name__ == "AbstractRef" and _aval_ok(aval.inner_aval)
 
 
@@ -648,7 +686,7 @@ def flops(jaxpr: Any) -> float:
 
 def _read(env: dict[Any, Any], v: Any) -> Any:
     if isinstance(v, core.Literal):
-        return np.asarray(v.val, dtype=v.aval.dtype)
+        return np.asarray(v.val, dtype=getattr(v.aval, "dtype", None))
     return env[v]
 
 
@@ -661,8 +699,49 @@ def _as_dtype(x: Any, aval: Any) -> Any:
     return x
 
 
+@functools.cache
+def _openblas() -> tuple[Any, Any] | None:
+    """NumPy's OpenBLAS thread-count functions (its wheels' ``numpy.libs``), or None."""
+    import numpy
+
+    for path in glob.glob(os.path.join(os.path.dirname(numpy.__file__) + ".libs", "*openblas*")):
+        try:
+            lib = ctypes.CDLL(path)  # already loaded: the same library
+            for suffix in ("64_", ""):
+                get = getattr(lib, f"scipy_openblas_get_num_threads{suffix}", None)
+                put = getattr(lib, f"scipy_openblas_set_num_threads{suffix}", None)
+                if get is not None and put is not None:
+                    return get, put
+        except OSError:
+            continue
+    return None
+
+
+@contextlib.contextmanager
+def one_blas_thread() -> Iterator[None]:
+    """NumPy's matmuls on one thread: a program's matmuls are small, and OpenBLAS's threads
+    wait on each other when other processes hold the cores (a 256x64x64 matmul measured 20 us
+    on one thread and up to 2.5 ms on two with the other core busy)."""
+    fns = _openblas()
+    if fns is None:
+        yield
+        return
+    get, put = fns
+    before = get()
+    put(1)
+    try:
+        yield
+    finally:
+        put(before)
+
+
 def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     """Run ``jaxpr`` (a ``Jaxpr``) on NumPy arrays; :func:`supported` must hold."""
+    with one_blas_thread():
+        return _evaluate(jaxpr, consts, args)
+
+
+def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[Any]:
     env: dict[Any, Any] = {}
     for v, x in zip(jaxpr.constvars, consts):
         env[v] = x if isinstance(x, _Ref) else np.asarray(x)
@@ -685,10 +764,10 @@ def _closed(j: Any) -> tuple[Any, Sequence[Any]]:
 def _run(eqn: Any, ins: list[Any]) -> Sequence[Any]:
     name, p = eqn.primitive.name, eqn.params
     if name in _CALLS:
-        body, consts = _closed(p[_CALLS[name]])  # type: ignore[index]
+        body, consts = _closed(p[_CALLS[name]])
         if name == "custom_vjp_call" and "num_consts" in p and len(ins) != len(body.invars):
             ins = ins[p["num_consts"] :]
-        return evaluate(body, consts, ins)
+        return _evaluate(body, consts, ins)
     if name == "scan":
         return _scan(p, ins)
     if name == "while":
@@ -698,7 +777,7 @@ def _run(eqn: Any, ins: list[Any]) -> Sequence[Any]:
         branches = p["branches"]
         i = min(max(int(index), 0), len(branches) - 1)
         body, consts = _closed(branches[i])
-        return evaluate(body, consts, ops)
+        return _evaluate(body, consts, ops)
     out = _IMPLS[name](*ins, **p)
     return out if name in _MULTI else [out]
 
@@ -710,7 +789,7 @@ def _scan(p: Any, ins: list[Any]) -> list[Any]:
     ys: list[list[Any]] = []
     order = range(length - 1, -1, -1) if p["reverse"] else range(length)
     for i in order:
-        outs = evaluate(body, consts, [*fixed, *carry, *(x[i] for x in xs)])
+        outs = _evaluate(body, consts, [*fixed, *carry, *(x[i] for x in xs)])
         carry, y = outs[:n_carry], outs[n_carry:]
         ys.append(y)
     if p["reverse"]:
@@ -728,6 +807,6 @@ def _while(p: Any, ins: list[Any]) -> list[Any]:
     body, body_consts = _closed(p["body_jaxpr"])
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     cfix, bfix, carry = ins[:nc], ins[nc : nc + nb], ins[nc + nb :]
-    while bool(evaluate(cond, cond_consts, [*cfix, *carry])[0]):
-        carry = evaluate(body, body_consts, [*bfix, *carry])
+    while bool(_evaluate(cond, cond_consts, [*cfix, *carry])[0]):
+        carry = _evaluate(body, body_consts, [*bfix, *carry])
     return carry
