@@ -50,6 +50,7 @@ from ._engine.adapters import StaleTraceWarning as StaleTraceWarning
 from ._engine.adapters import ensure_installed as _ensure_installed
 from ._engine.adapters import key_linen_interceptors as key_linen_interceptors
 from ._engine.context import Context as Context
+from ._engine.firstcall import first_call as first_call
 from ._engine.select import Select as Select
 from ._engine.select import Selector as Selector
 from ._engine.select import Where as Where
@@ -153,6 +154,7 @@ __all__ = [
     "edge_attribution",
     "faithfulness",
     "find_nonfinite",
+    "first_call",
     "grad_flow",
     "harvest",
     "hook_grad",

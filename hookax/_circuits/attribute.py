@@ -12,7 +12,6 @@ whose embeddings are ``corrupt + alpha * (clean - corrupt)``, ``alpha = 1/steps,
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._engine import firstcall
 from .._interp.components import Components
 from .._patching import compiled
 from .._util.errors import HookaxError
@@ -49,7 +49,7 @@ def _scalar(m: Any) -> Any:
     return m
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@firstcall.program(static_argnums=0)
 def _attribute(spec: _Spec, dyn: list[Any]) -> Any:
     fn, _, corrupt_args, _ = compiled.join(dyn, spec.rest)
     graph, parts = spec.graph, spec.parts

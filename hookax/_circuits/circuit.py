@@ -8,14 +8,13 @@ value in place of its value in this run (as auto-circuit patches edges). The kee
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._engine import firstcall
 from .._interp.components import Components
 from .._patching import compiled
 from .._util.errors import HookaxError
@@ -28,7 +27,7 @@ __all__ = ["faithfulness", "prune_edges", "run_circuit"]
 WHO = "hx.run_circuit"
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@firstcall.program(static_argnums=0)
 def _run(spec: Spec, dyn: list[Any], keep: Any) -> Any:
     fn, clean_args, corrupt_args = compiled.join(dyn, spec.rest)
     _, corrupt = rewired(fn, spec.parts, Rewire(spec.graph), WHO)(*corrupt_args)

@@ -10,7 +10,6 @@ program, the patched runs mapped over their keep matrices.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._engine import firstcall
 from .._interp.components import Components
 from .._patching import compiled
 from .._patching.labelled import LabelledArray, Unpatched
@@ -30,7 +30,7 @@ __all__ = ["path_patch"]
 WHO = "hx.path_patch"
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@firstcall.program(static_argnums=0)
 def _grid(spec: Spec, dyn: list[Any], keeps: Any) -> Any:
     fn, _, corrupt_args, _ = compiled.join(dyn, spec.rest)
     _, corrupt = rewired(fn, spec.parts, Rewire(spec.graph), WHO)(*corrupt_args)

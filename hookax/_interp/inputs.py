@@ -11,7 +11,6 @@ gets its own clean input, and ``axis``/``heads`` index one example's. Layout as
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 
 from .._capture.capture import capture
 from .._engine import context as _context
+from .._engine import firstcall
 from .._engine.select import Select
 from .._hooks.hooks import hooks
 from .._patching import compiled
@@ -29,7 +29,7 @@ from .._patching.patch import per_example
 __all__ = ["input_grid"]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@firstcall.program(static_argnums=(0, 1))
 def _clean_input(rest: compiled.Static, site: str, dyn: list[Any]) -> Any:
     """The first positional argument of ``site``'s call in the run ``rest`` + ``dyn`` stand
     for (the model's arrays are arguments: an NNX module closed over breaks ``nnx.scan``)."""
@@ -40,7 +40,7 @@ def _clean_input(rest: compiled.Static, site: str, dyn: list[Any]) -> Any:
     return value[0] if isinstance(value, tuple) else value
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+@firstcall.program(static_argnums=(0, 1, 2, 3, 4))
 def _row(
     rest: compiled.Static,
     site: str,

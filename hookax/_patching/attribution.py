@@ -9,7 +9,6 @@ runs the corrupted forward and backward (``hx.value_and_grad`` over the targets,
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .._capture.actgrad import _differentiate, _mode, value_and_grad
+from .._engine import firstcall
 from .._engine.select import Where
 from .._util import nnxsplit
 from ..frameworks._functions import as_program
@@ -132,7 +132,7 @@ def _op_grads(
     return corrupt, {**grads, **input_grads} if inputs else grads
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@firstcall.program(static_argnums=0)
 def _attribute(
     spec: _Spec, dyn: list[Any], mdyn: list[Any], clean_dyn: list[Any], cols: Any
 ) -> Any:

@@ -27,6 +27,7 @@ import numpy as np
 
 from .._capture.capture import capture
 from .._capture.ops import intercept_op
+from .._engine import firstcall
 from .._engine.select import Where
 from .._util.errors import HookaxError
 from ..frameworks._functions import as_program
@@ -74,7 +75,7 @@ def capture_targets(
     return capture(fn, where=targets.selector(sites), ops=ops, **inputs)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+@firstcall.program(static_argnums=(0, 1, 2, 3))
 def _clean(
     rest: compiled.Static, keys: tuple[str, ...], ops: tuple[str, ...], plain: bool, dyn: list[Any]
 ) -> dict[str, Any]:
@@ -95,7 +96,7 @@ def _patched(spec: _GridSpec, key: str, values: dict[str, Any], col: Any, head: 
     return patching({key: values[key]}, positions=mask, axis=-1)
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@firstcall.program(static_argnums=0)
 def _grid(
     spec: _GridSpec, dyn: list[Any], mdyn: list[Any], values: dict[str, Any] | None, patches: Any
 ) -> Any:

@@ -10,16 +10,17 @@ grid nobody normalises or draws costs nothing more.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from .._engine import firstcall
+
 __all__ = ["Unpatched"]
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+@firstcall.program(static_argnums=(0, 1, 2))
 def _runs(rest: Any, clean_rest: Any, metric: Any, dyn: Any, clean_dyn: Any, mdyn: Any) -> Any:
     from . import compiled
 

@@ -56,15 +56,17 @@ class Setup:
         return jnp.asarray(self.corrupt.numpy())
 
 
-def build(seed: int = 0) -> Setup:
+def build(seed: int = 0, n_ctx: int | None = None, batch: int = BATCH) -> Setup:
     """The random seeded ``HookedTransformer``, the NNX GPT with its weights, and clean and
-    corrupted tokens (the corrupted ones differ at positions 1 and 4)."""
+    corrupted tokens (the corrupted ones differ at positions 1 and 4); ``n_ctx`` positions
+    (default ``CFG``'s) and ``batch`` sequences."""
+    config = {**CFG, "n_ctx": n_ctx or CFG["n_ctx"]}
     # One thread: on a shared 2-core machine torch's second thread waits on the other processes
     # (the block sweep measured 4.7-7.8 s with two threads, 0.24-0.40 s with one).
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     cfg = HookedTransformerConfig(
-        **CFG,
+        **config,
         act_fn="gelu_new",
         normalization_type="LN",
         attn_only=False,
@@ -84,8 +86,8 @@ def build(seed: int = 0) -> Setup:
             elif leaf == "b" or leaf.startswith("b_"):  # LayerNorm and linear biases
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
     sd = {k: v.detach().numpy() for k, v in tl.state_dict().items()}
-    model = from_transformer_lens(sd, CFG)
-    clean = torch.randint(0, CFG["d_vocab"], (BATCH, CFG["n_ctx"]), generator=gen)
+    model = from_transformer_lens(sd, config)
+    clean = torch.randint(0, CFG["d_vocab"], (batch, config["n_ctx"]), generator=gen)
     corrupt = clean.clone()
     corrupt[:, 1] = (clean[:, 1] + 5) % CFG["d_vocab"]
     corrupt[:, 4] = (clean[:, 4] + 11) % CFG["d_vocab"]

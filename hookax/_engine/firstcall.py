@@ -1,0 +1,250 @@
+"""hookax's programs (patching grids, attribution, sweeps, circuits): the first call of a small
+one runs without waiting for XLA.
+
+A question asked for the first time (a new metric, a new kind of target) traces a program and,
+under ``jax.jit``, compiles it: about a second on a CPU for a small model's patching grid, where
+running its operations takes milliseconds. :class:`Program` is ``jax.jit`` with static
+arguments, and on the first call of each program (each argument structure, shapes and dtypes,
+static arguments, active hookax entries) it chooses:
+
+* ``"interpret"``: the traced program (``jax.jit(...).trace``: the same jaxpr the compiled
+  program is built from) run with NumPy, operation by operation
+  (:mod:`hookax._engine.numpyeval`); the program is then compiled on a background thread, and
+  the next call uses it (waiting for that compile if it has not ended: nothing compiles twice);
+* ``"compile"``: compiled now and run, as ``jax.jit`` does.
+
+:func:`first_call` sets the choice; ``"auto"`` (the default; ``HOOKAX_FIRST_CALL`` in the
+environment sets another) interprets a program called on concrete arrays (not inside a
+``jax.jit`` of yours) when every operation has a NumPy form with the dtypes it computes
+exactly as XLA does (float32, float64, integers, bool; not bfloat16 or float16), its matmuls
+come to at most :data:`FLOP_LIMIT` FLOPs and its intermediate values to at most
+:data:`BYTE_LIMIT` bytes, and otherwise compiles. Values agree with the compiled program's to
+float rounding (operations add in another order), as JAX's eager operations do.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import functools
+import math
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+from jax._src import config as _jax_config
+from jax._src import core
+from jax._src import util as _jax_util
+
+from .._util.errors import HookaxError
+from . import context as _context
+from . import numpyeval
+
+__all__ = ["BYTE_LIMIT", "FLOP_LIMIT", "Program", "first_call", "program"]
+
+#: Interpret a first call only up to this many matmul FLOPs (NumPy runs about 6e9 a second on
+#: one core of the 2-core CPU of the benchmarks; XLA compiles a small model's grid in ~1 s).
+FLOP_LIMIT = 2e9
+#: ... and this many bytes of intermediate values (NumPy keeps each until the program ends).
+BYTE_LIMIT = 1 << 30
+MODES = ("auto", "interpret", "compile")
+_MODE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "hookax_first_call", default=None
+)
+_SEEN_MAX = 512  # programs remembered per Program (least recently used forgotten)
+
+
+def _env_mode() -> str:
+    mode = os.environ.get("HOOKAX_FIRST_CALL", "auto") or "auto"
+    if mode not in MODES:
+        raise HookaxError(
+            f"HOOKAX_FIRST_CALL={mode!r} is not a mode. Fix: set it to one of "
+            f"{', '.join(MODES)} (or unset it: auto)."
+        )
+    return mode
+
+
+def mode() -> str:
+    """The first-call mode now in effect."""
+    return _MODE.get() or _env_mode()
+
+
+@contextlib.contextmanager
+def first_call(how: str = "auto") -> Iterator[None]:
+    """How hookax's programs run the first time they are called in this block.
+
+    ``"interpret"``: run with NumPy, operation by operation (when every operation has a NumPy
+    form; otherwise compiled), and compiled on a background thread for the next call;
+    ``"compile"``: compiled first, as ``jax.jit`` does; ``"auto"``: interpret small programs
+    (see ``docs/benchmarks.md``), compile the rest.
+
+    Example:
+      >>> import hookax as hx
+      >>> with hx.first_call("compile"):
+      ...     pass  # hx.patch_grid(...) here compiles before its first run
+    """
+    if how not in MODES:
+        raise HookaxError(
+            f"hx.first_call: {how!r} is not a mode. Fix: pass one of {', '.join(MODES)}."
+        )
+    token = _MODE.set(how)
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+def _aval_key(x: Any) -> Any:
+    if isinstance(x, jax.Array):
+        return (x.shape, x.dtype, getattr(x, "weak_type", False), x.sharding)
+    a = np.asarray(x)
+    return (a.shape, a.dtype, type(x))
+
+
+class _Compiling:
+    """The background compile of a program interpreted once."""
+
+    __slots__ = ("error", "thread")
+
+    def __init__(self, traced: Any) -> None:
+        self.error: BaseException | None = None
+        active = _context._ACTIVE_VALUE.value
+
+        def run() -> None:
+            try:
+                with _context.ACTIVE(active):
+                    traced.lower().compile()
+            except BaseException as e:  # the next call compiles in the foreground and raises
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name="hookax-compile", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        self.thread.join()
+
+
+class Program:
+    """``jax.jit(fn, static_argnums=...)`` whose first call may run without compiling."""
+
+    def __init__(self, fn: Callable[..., Any], static_argnums: tuple[int, ...]) -> None:
+        self.fn = fn
+        self.jitted = jax.jit(fn, static_argnums=static_argnums)
+        self.static = frozenset(static_argnums)
+        self._seen: collections.OrderedDict[Any, _Compiling | None] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        functools.update_wrapper(self, fn)
+        self.interpreted = 0  # first calls run with NumPy (the tests read it)
+        self.lower = self.jitted.lower
+        self.trace = self.jitted.trace
+        _jax_util.register_cache(self, f"hookax program {getattr(fn, '__qualname__', fn)}")
+
+    def cache_clear(self) -> None:
+        """Forget which programs were called (``jax.clear_caches()`` calls it)."""
+        with self._lock:
+            self._seen.clear()
+
+    def cache_info(self) -> Any:
+        return len(self._seen)
+
+    def cache_keys(self) -> list[Any]:
+        return list(self._seen)
+
+    def __call__(self, *args: Any) -> Any:
+        how = mode()
+        if how == "compile":
+            return self.jitted(*args)
+        dyn = tuple(a for i, a in enumerate(args) if i not in self.static)
+        leaves, treedef = jax.tree.flatten(dyn)
+        if any(isinstance(x, core.Tracer) for x in leaves):
+            return self.jitted(*args)
+        try:
+            key = (
+                tuple(args[i] for i in sorted(self.static)),
+                treedef,
+                tuple(_aval_key(x) for x in leaves),
+                _context._ACTIVE_VALUE.value,
+                _jax_config.trace_context(),
+            )
+            hash(key)
+        except TypeError:
+            return self.jitted(*args)
+        with self._lock:
+            known = key in self._seen
+            pending = self._seen.get(key)
+            if known:
+                self._seen.move_to_end(key)
+                self._seen[key] = None
+        if known:
+            if pending is not None:
+                pending.wait()
+            return self.jitted(*args)
+        traced = self.jitted.trace(*args)
+        out = self._interpret(traced, leaves, how)
+        with self._lock:
+            if out is None:
+                self._seen[key] = None
+            else:
+                self._seen[key] = _Compiling(traced)
+            while len(self._seen) > _SEEN_MAX:
+                self._seen.popitem(last=False)
+        if out is None:
+            return self.jitted(*args)
+        return out
+
+    def _interpret(self, traced: Any, leaves: list[Any], how: str) -> Any | None:
+        closed = traced.jaxpr
+        jaxpr = closed.jaxpr
+        if len(jaxpr.invars) != len(leaves) or numpyeval.unsupported(jaxpr) is not None:
+            return None
+        if how == "auto" and not small(jaxpr):
+            return None
+        outs = numpyeval.evaluate(jaxpr, closed.consts, leaves)
+        arrays = [_array(o, v.aval) for o, v in zip(outs, jaxpr.outvars)]
+        self.interpreted += 1
+        return jax.tree.unflatten(traced.out_tree, arrays)
+
+
+def _array(x: Any, aval: Any) -> Any:
+    """A result as the compiled program gives it: a ``jax.Array``, weakly typed where the
+    program's result is (later operations on it then hit the caches the compiled results
+    fill)."""
+    out = jax.device_put(np.asarray(x))
+    if getattr(aval, "weak_type", False):
+        try:
+            from jax._src import array as _array_impl
+
+            weak = core.ShapedArray(out.shape, out.dtype, weak_type=True)
+            out = _array_impl.ArrayImpl(weak, out.sharding, out._arrays, committed=out._committed)
+        except Exception:  # another JAX's internals: the array as it is
+            pass
+    return out
+
+
+def small(jaxpr: Any) -> bool:
+    """Whether ``jaxpr`` is small enough to interpret under ``"auto"``."""
+    return numpyeval.flops(jaxpr) <= FLOP_LIMIT and _bytes(jaxpr) <= BYTE_LIMIT
+
+
+def _bytes(jaxpr: Any) -> float:
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            aval = v.aval
+            if hasattr(aval, "shape") and hasattr(aval, "dtype"):
+                total += math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+        trips = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+        for sub in numpyeval._subjaxprs(eqn):
+            total += trips * _bytes(sub)
+    return total
+
+
+def program(static_argnums: int | tuple[int, ...] = ()) -> Callable[[Callable[..., Any]], Program]:
+    """Decorator: ``@program(static_argnums=0)`` in place of
+    ``@functools.partial(jax.jit, static_argnums=0)``."""
+    static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
+    return lambda fn: Program(fn, static)
