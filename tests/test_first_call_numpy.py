@@ -303,9 +303,13 @@ def test_one_compile_per_question_and_new_data_reuses_it():
 PATHS = {"senders": ["embed", "L0H0", "L0H1"], "receivers": ["L1H0.k", "logits"]}
 
 
-@pytest.mark.parametrize("kind", ["equinox", "linen", "program", "haiku"])
+@pytest.mark.parametrize(
+    "kind", ["equinox", "linen", "program", "haiku", "equinox-vmap-batch", "nnx-scan"]
+)
 def test_circuits_on_every_framework_interpreted(kind):
-    fn, clean, corrupt, parts, _ = _case(kind)
+    case = _case(kind)
+    fn, clean, corrupt = case.args()
+    parts = case.parts
     with hx.first_call("compile"):
         want = hx.edge_attribution(fn, clean, corrupt, circuit_metric, parts)
         circuit = hx.run_circuit(fn, clean, corrupt, want.top(5), parts)
