@@ -399,3 +399,26 @@ def test_an_error_while_tracing_leaves_nothing_behind():
         got = WORKFLOWS["resid grid"](model, clean, corrupt)
     with hx.first_call("compile"):
         np.testing.assert_allclose(got, WORKFLOWS["resid grid"](model, clean, corrupt), rtol=1e-5)
+
+
+def test_a_process_that_ends_during_the_background_compile_exits_cleanly(tmp_path):
+    script = tmp_path / "grid.py"
+    script.write_text(
+        "import jax, jax.numpy as jnp\n"
+        "from flax import nnx\n"
+        "import hookax as hx\n"
+        "model = nnx.Sequential(nnx.Linear(4, 8, rngs=nnx.Rngs(0)), jnp.tanh,\n"
+        "                       nnx.Linear(8, 6, rngs=nnx.Rngs(1)))\n"
+        "x = jnp.ones((1, 3, 4))\n"
+        "with hx.first_call('interpret'):\n"
+        "    g = hx.patch_grid(model, (x,), (0 * x,), lambda y: y[0, -1, 0], where='layers/*')\n"
+        "print(g.shape)\n"
+    )
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "(2, 3)" and "terminate called" not in done.stderr

@@ -121,7 +121,9 @@ class _Compiling:
             except BaseException as e:  # the next call compiles in the foreground and raises
                 self.error = e
 
-        self.thread = threading.Thread(target=run, name="hookax-compile", daemon=True)
+        # Not a daemon: a process that ends during a compile waits for it (a daemon thread
+        # inside XLA's compiler when the interpreter shuts down aborts the process).
+        self.thread = threading.Thread(target=run, name="hookax-compile", daemon=False)
         self.thread.start()
 
     def wait(self) -> None:
