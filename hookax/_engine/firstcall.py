@@ -24,7 +24,6 @@ float rounding (operations add in another order), as JAX's eager operations do.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import contextvars
 import functools
@@ -36,9 +35,7 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax._src import config as _jax_config
 from jax._src import core
-from jax._src import util as _jax_util
 
 from .._util.errors import HookaxError
 from . import context as _context
@@ -55,7 +52,6 @@ MODES = ("auto", "interpret", "compile")
 _MODE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "hookax_first_call", default=None
 )
-_SEEN_MAX = 512  # programs remembered per Program (least recently used forgotten)
 
 
 def _env_mode() -> str:
@@ -130,72 +126,61 @@ class _Compiling:
         self.thread.join()
 
 
+class _NewProgram(Exception):
+    """Raised where ``jax.jit`` would trace the function: this call's program is new."""
+
+
 class Program:
-    """``jax.jit(fn, static_argnums=...)`` whose first call may run without compiling."""
+    """``jax.jit(fn, static_argnums=...)`` whose first call may run without compiling.
+
+    A warm call is ``jax.jit``'s own (its C++ cache): the function raises :class:`_NewProgram`
+    when JAX traces it during a probed call, which is how a new program is told from a known
+    one without a key of hookax's own."""
 
     def __init__(self, fn: Callable[..., Any], static_argnums: tuple[int, ...]) -> None:
         self.fn = fn
-        self.jitted = jax.jit(fn, static_argnums=static_argnums)
+        self._local = threading.local()
+
+        @functools.wraps(fn)
+        def traced(*args: Any) -> Any:
+            if getattr(self._local, "probe", False):
+                raise _NewProgram
+            return fn(*args)
+
+        self.jitted = jax.jit(traced, static_argnums=static_argnums)
         self.static = frozenset(static_argnums)
-        self._seen: collections.OrderedDict[Any, _Compiling | None] = collections.OrderedDict()
+        self._pending: list[_Compiling] = []
         self._lock = threading.Lock()
         functools.update_wrapper(self, fn)
         self.interpreted = 0  # first calls run with NumPy (the tests read it)
         self.lower = self.jitted.lower
         self.trace = self.jitted.trace
-        _jax_util.register_cache(self, f"hookax program {getattr(fn, '__qualname__', fn)}")
-
-    def cache_clear(self) -> None:
-        """Forget which programs were called (``jax.clear_caches()`` calls it)."""
-        with self._lock:
-            self._seen.clear()
-
-    def cache_info(self) -> Any:
-        return len(self._seen)
-
-    def cache_keys(self) -> list[Any]:
-        return list(self._seen)
 
     def __call__(self, *args: Any) -> Any:
+        if not core.trace_state_clean():  # inside a transform of yours: part of your program
+            return self.jitted(*args)
+        if self._pending:  # a program interpreted once: its compile, not a second one
+            with self._lock:
+                pending, self._pending = self._pending, []
+            for p in pending:
+                p.wait()
         how = mode()
         if how == "compile":
             return self.jitted(*args)
-        dyn = tuple(a for i, a in enumerate(args) if i not in self.static)
-        leaves, treedef = jax.tree.flatten(dyn)
-        if any(isinstance(x, core.Tracer) for x in leaves):
-            return self.jitted(*args)
+        self._local.probe = True
         try:
-            key = (
-                tuple(args[i] for i in sorted(self.static)),
-                treedef,
-                tuple(_aval_key(x) for x in leaves),
-                _context._ACTIVE_VALUE.value,
-                _jax_config.trace_context(),
-            )
-            hash(key)
-        except TypeError:
             return self.jitted(*args)
-        with self._lock:
-            known = key in self._seen
-            pending = self._seen.get(key)
-            if known:
-                self._seen.move_to_end(key)
-                self._seen[key] = None
-        if known:
-            if pending is not None:
-                pending.wait()
-            return self.jitted(*args)
+        except _NewProgram:
+            pass
+        finally:
+            self._local.probe = False
         traced = self.jitted.trace(*args)
+        leaves = jax.tree.leaves(tuple(a for i, a in enumerate(args) if i not in self.static))
         out = self._interpret(traced, leaves, how)
-        with self._lock:
-            if out is None:
-                self._seen[key] = None
-            else:
-                self._seen[key] = _Compiling(traced)
-            while len(self._seen) > _SEEN_MAX:
-                self._seen.popitem(last=False)
         if out is None:
             return self.jitted(*args)
+        with self._lock:
+            self._pending.append(_Compiling(traced))
         return out
 
     def _interpret(self, traced: Any, leaves: list[Any], how: str) -> Any | None:
