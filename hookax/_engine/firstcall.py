@@ -104,10 +104,11 @@ def _aval_key(x: Any) -> Any:
 class _Compiling:
     """The background compile of a program interpreted once."""
 
-    __slots__ = ("error", "thread")
+    __slots__ = ("error", "jaxpr", "thread")
 
     def __init__(self, traced: Any) -> None:
         self.error: BaseException | None = None
+        self.jaxpr = traced.jaxpr
         active = _context._ACTIVE_VALUE.value
 
         def run() -> None:
@@ -143,8 +144,11 @@ class Program:
 
         @functools.wraps(fn)
         def traced(*args: Any) -> Any:
-            if getattr(self._local, "probe", False):
+            probe = getattr(self._local, "probe", None)
+            if probe == "raise":
                 raise _NewProgram
+            if probe == "note":
+                self._local.new = True
             return fn(*args)
 
         self.jitted = jax.jit(traced, static_argnums=static_argnums)
@@ -159,22 +163,34 @@ class Program:
     def __call__(self, *args: Any) -> Any:
         if not core.trace_state_clean():  # inside a transform of yours: part of your program
             return self.jitted(*args)
-        if self._pending:  # a program interpreted once: its compile, not a second one
-            with self._lock:
-                pending, self._pending = self._pending, []
-            for p in pending:
-                p.wait()
         how = mode()
-        if how == "compile":
-            return self.jitted(*args)
-        self._local.probe = True
-        try:
-            return self.jitted(*args)
-        except _NewProgram:
-            pass
-        finally:
-            self._local.probe = False
-        traced = self.jitted.trace(*args)
+        with self._lock:
+            self._pending = [p for p in self._pending if p.thread.is_alive()]
+            pending = list(self._pending)
+        if pending:  # compiles under way: is this call's program one of them?
+            self._local.probe, self._local.new = "note", False
+            try:
+                traced = self.jitted.trace(*args)  # JAX's trace cache; a new program is traced
+            finally:
+                self._local.probe = None
+            if not self._local.new:
+                for p in pending:
+                    if p.jaxpr is traced.jaxpr:
+                        p.wait()  # its compile, not a second one
+                return self.jitted(*args)
+            if how == "compile":
+                return self.jitted(*args)
+        else:
+            if how == "compile":
+                return self.jitted(*args)
+            self._local.probe = "raise"
+            try:
+                return self.jitted(*args)  # a known program: jax.jit's own call
+            except _NewProgram:
+                pass
+            finally:
+                self._local.probe = None
+            traced = self.jitted.trace(*args)
         leaves = jax.tree.leaves(tuple(a for i, a in enumerate(args) if i not in self.static))
         out = self._interpret(traced, leaves, how)
         if out is None:
