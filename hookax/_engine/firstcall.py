@@ -37,6 +37,7 @@ import jax
 import numpy as np
 from jax._src import core
 
+from .._util import jaxcompat
 from .._util.errors import HookaxError
 from . import context as _context
 from . import numpyeval
@@ -200,13 +201,12 @@ class Program:
         return out
 
     def _interpret(self, traced: Any, leaves: list[Any], how: str) -> Any | None:
-        closed = traced.jaxpr
-        jaxpr = closed.jaxpr
+        jaxpr, consts = jaxcompat.closed_parts(traced.jaxpr)
         if len(jaxpr.invars) != len(leaves) or numpyeval.unsupported(jaxpr) is not None:
             return None
         if how == "auto" and not small(jaxpr):
             return None
-        outs = numpyeval.evaluate(jaxpr, closed.consts, leaves)
+        outs = numpyeval.evaluate(jaxpr, consts, leaves)
         arrays = [_array(o, v.aval) for o, v in zip(outs, jaxpr.outvars)]
         self.interpreted += 1
         return jax.tree.unflatten(traced.out_tree, arrays)

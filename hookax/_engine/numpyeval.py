@@ -27,7 +27,9 @@ from typing import Any
 
 import numpy as np
 from jax import tree_util
-from jax._src import core
+
+from .._util import jaxcompat
+from .._util.jaxcompat import core
 
 __all__ = ["evaluate", "flops", "supported"]
 
@@ -101,6 +103,7 @@ _UNARY: dict[str, Callable[..., Any]] = {
     "rsqrt": _rsqrt,
     "logistic": _logistic,
     "square": np.square,
+    "one_minus_square": lambda x: np.ones((), x.dtype) - np.square(x),
     "is_finite": np.isfinite,
     "not": np.invert,
     "copy": np.array,
@@ -178,21 +181,21 @@ def _integer_pow(x: np.ndarray, *, y: int) -> Any:
 
 
 @_impl("erf")
-def _erf(x: np.ndarray) -> Any:
+def _erf(x: np.ndarray, **_: Any) -> Any:
     import scipy.special
 
     return scipy.special.erf(x).astype(x.dtype)
 
 
 @_impl("erfc")
-def _erfc(x: np.ndarray) -> Any:
+def _erfc(x: np.ndarray, **_: Any) -> Any:
     import scipy.special
 
     return scipy.special.erfc(x).astype(x.dtype)
 
 
 @_impl("erf_inv")
-def _erf_inv(x: np.ndarray) -> Any:
+def _erf_inv(x: np.ndarray, **_: Any) -> Any:
     import scipy.special
 
     return scipy.special.erfinv(x).astype(x.dtype)
@@ -626,10 +629,8 @@ def _subjaxprs(eqn: Any) -> list[Any]:
     out = []
     for v in eqn.params.values():
         for item in v if isinstance(v, tuple | list) else (v,):
-            if isinstance(item, core.ClosedJaxpr):
-                out.append(item.jaxpr)
-            elif isinstance(item, core.Jaxpr):
-                out.append(item)
+            if isinstance(item, jaxcompat.ClosedJaxpr | jaxcompat.Jaxpr):
+                out.append(jaxcompat.closed_parts(item)[0])
     return out
 
 
@@ -685,7 +686,7 @@ def flops(jaxpr: Any) -> float:
 
 
 def _read(env: dict[Any, Any], v: Any) -> Any:
-    if isinstance(v, core.Literal):
+    if isinstance(v, jaxcompat.Literal):
         return np.asarray(v.val, dtype=getattr(v.aval, "dtype", None))
     return env[v]
 
@@ -758,7 +759,7 @@ def _evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any]) -> list[An
 
 
 def _closed(j: Any) -> tuple[Any, Sequence[Any]]:
-    return (j.jaxpr, j.consts) if isinstance(j, core.ClosedJaxpr) else (j, ())
+    return jaxcompat.closed_parts(j)
 
 
 def _run(eqn: Any, ins: list[Any]) -> Sequence[Any]:
@@ -784,7 +785,8 @@ def _run(eqn: Any, ins: list[Any]) -> Sequence[Any]:
 
 def _scan(p: Any, ins: list[Any]) -> list[Any]:
     body, consts = _closed(p["jaxpr"])
-    n_consts, n_carry, length = p["num_consts"], p["num_carry"], p["length"]
+    n_consts, n_carry, _ = jaxcompat.scan_counts(p)
+    length = p["length"]
     fixed, carry, xs = ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
     ys: list[list[Any]] = []
     order = range(length - 1, -1, -1) if p["reverse"] else range(length)
