@@ -213,15 +213,7 @@ def main() -> dict[str, Any] | None:
         f"{importlib.metadata.version('transformer-lens')}; milliseconds, min of {2 * PAIRS} "
         "fresh processes\n"
     )
-    head = (
-        "workflow",
-        "TL first",
-        "hookax first",
-        "ratio",
-        "hookax first, compiled",
-        "TL warm",
-        "hookax warm",
-    )
+    head = ("workflow", "TL first", "hookax first", "ratio", "compiled", "TL warm", "warm")
     print(table(rows, head))
     return results
 

@@ -79,7 +79,7 @@ def first_call(how: str = "auto") -> Iterator[None]:
     ``"compile"``: compiled first, as ``jax.jit`` does; ``"auto"``: interpret small programs
     (see ``docs/benchmarks.md``), compile the rest.
 
-    Example:
+    Examples:
       >>> import hookax as hx
       >>> with hx.first_call("compile"):
       ...     pass  # hx.patch_grid(...) here compiles before its first run
