@@ -444,16 +444,12 @@ def _gather(
                 bad = bad | spread((start < 0) | (start > hi))
             start = spread(np.clip(start, 0, hi))
         elif d in in_batch:
-            ramp = np.arange(batch_shape[in_batch[d]])
-            shape = [1] * len(batch_shape)
-            shape[in_batch[d]] = batch_shape[in_batch[d]]
-            start = spread(np.broadcast_to(ramp.reshape(shape), batch_shape))
+            b = in_batch[d]
+            start = _ramp(batch_shape[b], batch_pos[b], out_rank)
         else:
             start = np.zeros((1,) * out_rank, np.int64)
         if d in offset_of:
-            shape = [1] * out_rank
-            shape[offset_of[d]] = slice_sizes[d]
-            start = start + np.arange(slice_sizes[d]).reshape(shape)
+            start = start + _ramp(slice_sizes[d], offset_of[d], out_rank)
         index.append(start)
     out = x[tuple(index)]
     if fill and bad.any():
@@ -464,10 +460,17 @@ def _gather(
     return out
 
 
+def _ramp(n: int, axis: int, rank: int) -> np.ndarray:
+    """``arange(n)`` laid along ``axis`` of a rank-``rank`` array (size 1 elsewhere)."""
+    shape = [1] * rank
+    shape[axis] = n
+    return np.arange(n).reshape(shape)
+
+
 def _scatter_index(
     x: np.ndarray, idx: np.ndarray, updates: np.ndarray, dn: Any
-) -> tuple[np.ndarray, ...] | None:
-    """The operand index of every update element (clipped updates: None)."""
+) -> tuple[np.ndarray, ...]:
+    """The operand index of every update element."""
     batch_shape = idx.shape[:-1]
     rank = updates.ndim
     batch_pos = [i for i in range(rank) if i not in dn.update_window_dims]
@@ -491,16 +494,12 @@ def _scatter_index(
         if d in dn.scatter_dims_to_operand_dims:
             start = spread(idx[..., dn.scatter_dims_to_operand_dims.index(d)].astype(np.int64))
         elif d in in_batch:
-            ramp = np.arange(batch_shape[in_batch[d]])
-            shape = [1] * len(batch_shape)
-            shape[in_batch[d]] = batch_shape[in_batch[d]]
-            start = spread(np.broadcast_to(ramp.reshape(shape), batch_shape))
+            b = in_batch[d]
+            start = _ramp(batch_shape[b], batch_pos[b], rank)
         else:
             start = np.zeros((1,) * rank, np.int64)
         if d in window_of:
-            shape = [1] * rank
-            shape[window_of[d]] = updates.shape[window_of[d]]
-            start = start + np.arange(updates.shape[window_of[d]]).reshape(shape)
+            start = start + _ramp(updates.shape[window_of[d]], window_of[d], rank)
         index.append(np.broadcast_to(start, updates.shape))
     return tuple(index)
 
@@ -511,7 +510,6 @@ def _scatter_ok(p: Any) -> bool:
 
 def _scatter(x: np.ndarray, idx: np.ndarray, updates: np.ndarray, add: bool, dn: Any) -> Any:
     index = _scatter_index(x, idx, updates, dn)
-    assert index is not None
     inside = np.ones(updates.shape, bool)  # out-of-bounds updates are dropped
     for i, d in zip(index, x.shape):
         inside &= (i >= 0) & (i < d)
