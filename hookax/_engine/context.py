@@ -171,6 +171,10 @@ def publish() -> None:
                         del _INTERNED[k]
                 _INTERNED[value._hash] = weakref.ref(value)
         if REGISTERED.get_global() is not value:
+            if value is not None:
+                from . import eager
+
+                eager.install()
             REGISTERED.set_global(value)
 
 
@@ -183,6 +187,7 @@ class _Local(threading.local):
     def __init__(self) -> None:
         self.stack: list[Frame] = []
         self.trackers: dict[Any, list[Any]] = {}  # entry -> its _intercept.Tracker(s)
+        self.touches = 0  # call sites hookax ran (see touch)
 
 
 _LOCAL = _Local()
@@ -197,6 +202,15 @@ def note_match(entry: Any, ctx: Context, hit: bool) -> None:
     """Tell the trackers of ``entry`` whether its selector picked the call site ``ctx``."""
     for tracker in _LOCAL.trackers.get(entry, ()):
         tracker.note(ctx, hit)
+
+
+def touch() -> None:
+    """Count a call site hookax ran on this thread (:mod:`.eager` asks whether a trace ran any)."""
+    _LOCAL.touches += 1
+
+
+def touches() -> int:
+    return _LOCAL.touches
 
 
 def call_stack() -> list[Frame]:
@@ -286,6 +300,7 @@ class Frame:
     )
 
     def __init__(self, module: Any, method: str, parent: Frame | None, adapter: Any) -> None:
+        _LOCAL.touches += 1
         self.module = module
         self.method = method
         self.parent = parent

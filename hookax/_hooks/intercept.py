@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from .._engine import adapters as _frameworks
 from .._engine import context as _context
+from .._engine import eager as _eager
 from .._engine.select import ALL_METHODS, Selector, Where, as_selector
 from .._util.fnkey import FnKey, note_fresh
 from .hookcheck import check_arity
@@ -92,6 +93,7 @@ def _intern(entry: Entry) -> Entry:
 def scoped(entry: Entry) -> Iterator[None]:
     """Make ``entry`` active on this thread for the block (innermost last)."""
     _frameworks.ensure_installed()
+    _eager.install()
     with _context.ACTIVE((*_context.active_entries(), _intern(entry))):
         yield
 

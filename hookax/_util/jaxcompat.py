@@ -27,7 +27,7 @@ import importlib
 from typing import Any
 
 import jax
-from jax._src import ad_checkpoint, ad_util, config, core, pjit, source_info_util
+from jax._src import ad_checkpoint, ad_util, config, core, dispatch, pjit, source_info_util
 from jax._src import linear_util as lu
 from jax._src.interpreters import ad, batching, mlir
 from jax._src.interpreters import partial_eval as pe
@@ -62,6 +62,7 @@ __all__ = [
     "conditionals",
     "config",
     "core",
+    "dispatch",
     "eqn_context",
     "ft_flatten",
     "ft_pack",
