@@ -987,3 +987,47 @@ def test_head_grid_of_operations_traces_the_forward_once_for_its_rows(traces: An
     got = hx.patch_grid(forward, (CLEAN,), (CORRUPT,), metric, ops=HEAD_OP, heads=1, axis=2)
     close(got, HEAD_GRID)
     assert traces.n == 3
+
+
+def _reference_patching_input(target: int, m: Any) -> jax.Array:
+    """The corrupted model by hand with layer ``target``'s input patched to the clean run's
+    (``True``/a mask: where to)."""
+    clean_in = [CLEAN, *CLEAN_ACTS[:-1]]
+    x = CORRUPT
+    for layer in range(L):
+        if layer == target:
+            x = jnp.where(m, clean_in[layer], x)
+        x = x + jnp.tanh(causal_mean(x) @ W[layer] + BIAS[layer])
+    return x @ W_OUT
+
+
+@pytest.mark.parametrize("name", ["nnx", "linen", "equinox"])
+def test_grid_rows_of_inputs_are_suffixes_of_one_traced_forward(
+    name: str, traces: Any, monkeypatch: Any
+) -> None:
+    """``"key:in"`` targets (a call's one positional argument: TransformerLens' resid_pre) cut
+    the same one traced forward: three traces in all, the hand-patched grid, and the grid of
+    the program that traces a forward per row."""
+    from hookax._patching import cutgrid
+
+    fw = make(name)
+
+    def forward(*args: Any) -> jax.Array:
+        traces()
+        return fw.fn(*args)
+
+    keys = [k + ":in" for k in fw.keys]
+    grid = hx.patch_grid(forward, fw.args(CLEAN), fw.args(CORRUPT), metric, where=keys)
+    want = [[metric(_reference_patching_input(i, mask_of(t))) for t in range(T)] for i in range(L)]
+    close(grid, jnp.asarray(want))
+    assert traces.n == 3
+    whole = hx.patch_grid(
+        forward, fw.args(CLEAN), fw.args(CORRUPT), metric, where=keys[1:], positions=None
+    )
+    close(whole, jnp.stack([metric(_reference_patching_input(i, True)) for i in range(1, L)]))
+    monkeypatch.setattr(cutgrid, "eligible", lambda keys, ops: False)
+    n = traces.n
+    again = lambda y: metric(y)  # noqa: E731 (a new program)
+    rowwise = hx.patch_grid(forward, fw.args(CLEAN), fw.args(CORRUPT), again, where=keys)
+    assert traces.n - n == 1 + L  # the clean values, then a forward per row
+    close(rowwise, grid)

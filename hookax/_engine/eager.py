@@ -115,6 +115,21 @@ _SAME: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _PLAIN: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
+_STAGING = _jaxcompat.pe.DynamicJaxprTrace
+
+
+def _staged() -> bool:
+    """Whether a program is being traced here (a ``jax.jit`` function's trace inside it becomes
+    part of that program, compiled with it), rather than run as it goes (eagerly, or under
+    ``vmap`` or hookax's own traces over eager code)."""
+    t = _context.current_trace()
+    while t is not None:
+        if isinstance(t, _STAGING):
+            return True
+        t = _context._parent(t)
+    return False
+
+
 def _same(p: Any, q: Any) -> bool:
     """Whether two traces of one function made the same program."""
     if p.in_tree != q.in_tree or p.out_tree != q.out_tree or len(p.consts) != len(q.consts):
@@ -130,7 +145,7 @@ def _same(p: Any, q: Any) -> bool:
 def _traces(original: Any) -> Any:
     @functools.wraps(original)
     def _infer_params(fun: Any, ji: Any, args: Any, kwargs: Any) -> Any:
-        if _idle():
+        if _idle() or _staged():
             return original(fun, ji, args, kwargs)
         before = _context.touches()
         p, flat = original(fun, ji, args, kwargs)

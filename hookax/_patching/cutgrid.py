@@ -8,7 +8,8 @@ vmapped over the patches, only the operations after its target that depend on it
 everything else from the one forward. The values are the same (the same operations on the same
 inputs); the program is the size of the hand-written one (a forward, then each suffix).
 
-It applies to call sites and operations (``ops=``), with or without ``heads=``, where the marks
+It applies to call sites (their outputs, or their inputs: ``":in"``) and operations (``ops=``),
+with or without ``heads=``, where the marks
 are plain operations of the traced program (not inside a scan, a ``jit`` call or another
 transform of the model) and each target runs once with one array as its value; otherwise
 :func:`rows` returns None and the grid runs as before.
@@ -47,18 +48,28 @@ mlir.register_lowering(cut_p, lambda ctx, x, *, key: [x])
 
 def eligible(keys: Sequence[str], ops: Sequence[str]) -> bool:
     """Whether the targets could be cut (checked again on the traced program): no layer of a
-    scanned stack, call sites' whole outputs (not a part, not their inputs)."""
+    scanned stack, call sites' whole outputs or inputs (``":in"``: the one positional
+    argument), not a part."""
     sites = [k for k in keys if k not in ops]
-    return (
-        bool(keys)
-        and all("[" not in k for k in keys)
-        and all("." not in k and not k.endswith(":in") for k in sites)
-    )
+    return bool(keys) and all("[" not in k for k in keys) and all("." not in k for k in sites)
 
 
-def _mark(next_fun: Callable[..., Any], args: tuple, kwargs: dict[str, Any], context: Any) -> Any:
-    out = next_fun(*args, **kwargs)
-    return cut_p.bind(out, key=context.key) if isinstance(out, jax.Array) else out
+def _marker(sites: Sequence[str]) -> Callable[..., Any]:
+    """An interceptor marking the targets among ``sites``: a call's output, or its one
+    positional argument for ``"key:in"`` (what patching an input replaces)."""
+    inputs = frozenset(k[: -len(":in")] for k in sites if k.endswith(":in"))
+    outputs = frozenset(k for k in sites if not k.endswith(":in"))
+
+    def mark(next_fun: Callable[..., Any], args: tuple, kwargs: dict[str, Any], context: Any) -> Any:
+        key = context.key
+        if key in inputs and len(args) == 1 and isinstance(args[0], jax.Array):
+            args = (cut_p.bind(args[0], key=key + ":in"),)
+        out = next_fun(*args, **kwargs)
+        if key in outputs and isinstance(out, jax.Array):
+            out = cut_p.bind(out, key=key)
+        return out
+
+    return mark
 
 
 def _mark_op(value: Any, op: Any) -> Any:
@@ -85,7 +96,7 @@ def rows(
     def forward(*xs: Any) -> Any:
         with contextlib.ExitStack() as stack:
             if sites:
-                stack.enter_context(intercept(_mark, where=targets.selector(sites)))
+                stack.enter_context(intercept(_marker(sites), where=targets.selector(sites)))
             if ops:
                 stack.enter_context(intercept_op(_mark_op, ops=list(ops)))
             return fn(*jax.tree.unflatten(in_tree, xs))
