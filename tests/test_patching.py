@@ -961,9 +961,10 @@ def test_attribution_of_an_operation_in_one_layer_of_a_scanned_stack() -> None:
 
 @pytest.mark.parametrize("name", ["nnx", "linen", "equinox"])
 def test_grid_rows_are_suffixes_of_one_traced_forward(name: str, traces: Any) -> None:
-    """The grid traces the corrupted forward once for all its rows (each row runs only what
-    follows its target), as a hand-written grid does: the forward is traced three times in all
-    (finding the targets, the clean values, the grid), not once per row; the same grid."""
+    """The grid traces the forward once for all its rows (each row runs only what follows its
+    target), as a hand-written grid does, and reads the clean values from the same traced
+    forward run on the clean inputs: the forward is traced twice in all (finding the targets,
+    the grid), not once per row; the same grid."""
     fw = make(name)
 
     def forward(*args: Any) -> jax.Array:
@@ -972,12 +973,12 @@ def test_grid_rows_are_suffixes_of_one_traced_forward(name: str, traces: Any) ->
 
     grid = hx.patch_grid(forward, fw.args(CLEAN), fw.args(CORRUPT), metric, where=fw.keys)
     close(grid, LAYER_GRID)
-    assert traces.n == 3
+    assert traces.n == 2
 
 
 def test_head_grid_of_operations_traces_the_forward_once_for_its_rows(traces: Any) -> None:
     """Operation targets with ``heads=``: the same one traced forward, each row after its
-    operation (three traces in all, not one per row); the hand-patched grid."""
+    operation (two traces in all, not one per row); the hand-patched grid."""
     model = NHeadModel()
 
     def forward(x: jax.Array) -> jax.Array:
@@ -986,7 +987,7 @@ def test_head_grid_of_operations_traces_the_forward_once_for_its_rows(traces: An
 
     got = hx.patch_grid(forward, (CLEAN,), (CORRUPT,), metric, ops=HEAD_OP, heads=1, axis=2)
     close(got, HEAD_GRID)
-    assert traces.n == 3
+    assert traces.n == 2
 
 
 def _reference_patching_input(target: int, m: Any) -> jax.Array:
@@ -1006,7 +1007,7 @@ def test_grid_rows_of_inputs_are_suffixes_of_one_traced_forward(
     name: str, traces: Any, monkeypatch: Any
 ) -> None:
     """``"key:in"`` targets (a call's one positional argument: TransformerLens' resid_pre) cut
-    the same one traced forward: three traces in all, the hand-patched grid, and the grid of
+    the same one traced forward: two traces in all, the hand-patched grid, and the grid of
     the program that traces a forward per row."""
     from hookax._patching import cutgrid
 
@@ -1020,7 +1021,7 @@ def test_grid_rows_of_inputs_are_suffixes_of_one_traced_forward(
     grid = hx.patch_grid(forward, fw.args(CLEAN), fw.args(CORRUPT), metric, where=keys)
     want = [[metric(_reference_patching_input(i, mask_of(t))) for t in range(T)] for i in range(L)]
     close(grid, jnp.asarray(want))
-    assert traces.n == 3
+    assert traces.n == 2
     whole = hx.patch_grid(
         forward, fw.args(CLEAN), fw.args(CORRUPT), metric, where=keys[1:], positions=None
     )
@@ -1029,5 +1030,5 @@ def test_grid_rows_of_inputs_are_suffixes_of_one_traced_forward(
     n = traces.n
     again = lambda y: metric(y)  # noqa: E731 (a new program)
     rowwise = hx.patch_grid(forward, fw.args(CLEAN), fw.args(CORRUPT), again, where=keys)
-    assert traces.n - n == 1 + L  # the clean values, then a forward per row
+    assert traces.n - n == 1 + L  # the clean values captured, then a forward per row
     close(rowwise, grid)

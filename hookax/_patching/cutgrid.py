@@ -81,15 +81,17 @@ def rows(
     args: tuple[Any, ...],
     keys: tuple[str, ...],
     ops: tuple[str, ...],
-    values: dict[str, Any],
+    values: dict[str, Any] | None,
     patches: tuple[Any, Any],
     axis: int,
     heads: int | None,
     metric: Callable[[Any], Any],
+    clean_args: tuple[Any, ...] | None = None,
 ) -> Any | None:
     """Every target's row (``[len(keys), n_patches, ...]``) for ``patches`` (``(columns,
     heads)``, either None, a leading axis on those given), or None where the program does not
-    have the shape this needs."""
+    have the shape this needs. ``values`` None: the targets' clean values are read from the
+    same traced forward run on ``clean_args`` (the clean run's inputs; the model is ``fn``'s)."""
     flat, in_tree = jax.tree.flatten(args)
     sites = [k for k in keys if k not in ops]
 
@@ -115,6 +117,12 @@ def rows(
             at[key] = i
     if set(at) != set(keys) or _nested_cut(jaxpr):
         return None
+    if values is None:
+        clean_flat, clean_tree = jax.tree.flatten(clean_args)
+        if clean_tree != in_tree:
+            return None
+        clean_env = _run(jaxpr, consts, clean_flat)  # the clean forward, the same program
+        values = {key: (clean_env[jaxpr.eqns[at[key]].outvars[0]],) for key in keys}
     for key in keys:
         (v,) = jaxpr.eqns[at[key]].outvars
         got = values[key]

@@ -104,19 +104,23 @@ def _grid(
     on those given): one program, one vmap per target. ``values`` None: the clean values are
     captured in the same program (``dyn`` is then ``(corrupt dyn, clean dyn)``)."""
     metric = compiled.join(mdyn, spec.metric)
+    clean_dyn = None
     if values is None:
         dyn, clean_dyn = dyn
+    if cutgrid.eligible(spec.keys, spec.ops):  # rows as suffixes of one traced forward
+        fn, args = compiled.join(dyn, spec.rest)
+        clean_args = None if clean_dyn is None else compiled.join(clean_dyn, spec.clean_rest)[1]
+        got = cutgrid.rows(
+            fn, args, spec.keys, spec.ops, values, patches, spec.axis, spec.heads, metric,
+            clean_args,
+        )
+        if got is not None:
+            return got
+    if values is None:
         clean_fn, clean_args = compiled.join(clean_dyn, spec.clean_rest)
         capture = capture_targets(clean_fn, list(spec.keys), list(spec.ops), spec.plain)
         _, acts = capture(*clean_args)
         values = {k: targets.values_of(acts, k) for k in spec.keys}
-    if cutgrid.eligible(spec.keys, spec.ops):  # rows as suffixes of one traced forward
-        fn, args = compiled.join(dyn, spec.rest)
-        got = cutgrid.rows(
-            fn, args, spec.keys, spec.ops, values, patches, spec.axis, spec.heads, metric
-        )
-        if got is not None:
-            return got
 
     def one(key: str, dyn: list[Any], patch: Any, values: dict[str, Any]) -> Any:
         fn, args = compiled.join(dyn, spec.rest)  # rebuilt inside the vmap (NNX transforms)
