@@ -12,7 +12,7 @@ operation a model runs eagerly again: a 3-layer GPT's first eager ``hx.capture``
 What a compile of an already traced program makes does not depend on hookax: the program's
 hookax parts (tags, call sites, interventions) were traced into it under the entries then
 active. So once hookax is used (:func:`install`, called where an entry or a hook is first made
-active), three of JAX's eager steps run with hookax's keys at their defaults:
+active), four of JAX's eager steps run with hookax's keys at their defaults:
 
 * a primitive's one-operation program (``dispatch.xla_primitive_callable``);
 * compiling and running a traced ``jax.jit`` program (``pjit._pjit_call_impl_python``);
@@ -20,7 +20,11 @@ active), three of JAX's eager steps run with hookax's keys at their defaults:
   active: the trace with the entries runs first, and its program replaces it when no hookax call
   site ran in it and the two programs print the same, with the same constants. A function that
   calls a module, or whose program differs, keeps its own (traced and compiled with the entries,
-  as before).
+  as before);
+* ``jax.vmap`` of such a replaced program (``batching.batch_jaxpr2``).
+
+Inside a program being traced (``jax.jit``, ``jax.grad`` under it) nothing changes: a function's
+program becomes part of the outer one, compiled with it.
 
 Callbacks run the user's Python while a program runs, so programs with effects (and callback
 primitives) keep the entries. Nothing changes while no entry is active and no hook registered.
@@ -54,7 +58,7 @@ def _idle() -> bool:
 _SOFTMAX = _jaxcompat.config.softmax_custom_jvp
 
 
-class _at_defaults:  # noqa: N801 (used as a context manager)
+class _at_defaults:
     """A block with hookax's keys (and the softmax flag) as they are when hookax is idle."""
 
     __slots__ = ("_blocks",)
@@ -157,10 +161,13 @@ def _traces(original: Any) -> Any:
         if plain is None:
             plain = False
             if _context.touches() == before:
-                with _at_defaults():
-                    q, _ = original(fun, ji, args, kwargs)
-                if q.params["jaxpr"] is not jaxpr and _same(p, q):
-                    plain = q
+                try:
+                    with _at_defaults():
+                        q, _ = original(fun, ji, args, kwargs)
+                    if q.params["jaxpr"] is not jaxpr and _same(p, q):
+                        plain = q
+                except Exception:  # traced only with the entries: its own program, as before
+                    plain = False
             _SAME[jaxpr] = plain
             if plain is not False:
                 _PLAIN.add(plain.params["jaxpr"])

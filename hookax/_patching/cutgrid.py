@@ -60,7 +60,7 @@ def _marker(sites: Sequence[str]) -> Callable[..., Any]:
     inputs = frozenset(k[: -len(":in")] for k in sites if k.endswith(":in"))
     outputs = frozenset(k for k in sites if not k.endswith(":in"))
 
-    def mark(next_fun: Callable[..., Any], args: tuple, kwargs: dict[str, Any], context: Any) -> Any:
+    def mark(next_fun: Callable[..., Any], args: tuple, kwargs: dict, context: Any) -> Any:
         key = context.key
         if key in inputs and len(args) == 1 and isinstance(args[0], jax.Array):
             args = (cut_p.bind(args[0], key=key + ":in"),)

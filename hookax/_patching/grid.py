@@ -111,7 +111,15 @@ def _grid(
         fn, args = compiled.join(dyn, spec.rest)
         clean_args = None if clean_dyn is None else compiled.join(clean_dyn, spec.clean_rest)[1]
         got = cutgrid.rows(
-            fn, args, spec.keys, spec.ops, values, patches, spec.axis, spec.heads, metric,
+            fn,
+            args,
+            spec.keys,
+            spec.ops,
+            values,
+            patches,
+            spec.axis,
+            spec.heads,
+            metric,
             clean_args,
         )
         if got is not None:
