@@ -154,6 +154,7 @@ def _traces(original: Any) -> Any:
         before = _context.touches()
         p, flat = original(fun, ji, args, kwargs)
         jaxpr = p.params["jaxpr"]
+        plain: Any
         try:
             plain = _SAME.get(jaxpr)
         except TypeError:  # not weakly referenceable: keep it

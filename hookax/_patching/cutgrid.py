@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -119,7 +119,7 @@ def rows(
         return None
     if values is None:
         clean_flat, clean_tree = jax.tree.flatten(clean_args)
-        if clean_tree != in_tree:
+        if clean_tree != cast(Any, in_tree):
             return None
         clean_env = _run(jaxpr, consts, clean_flat)  # the clean forward, the same program
         values = {key: (clean_env[jaxpr.eqns[at[key]].outvars[0]],) for key in keys}

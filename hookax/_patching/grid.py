@@ -104,7 +104,7 @@ def _grid(
     on those given): one program, one vmap per target. ``values`` None: the clean values are
     captured in the same program (``dyn`` is then ``(corrupt dyn, clean dyn)``)."""
     metric = compiled.join(mdyn, spec.metric)
-    clean_dyn = None
+    clean_dyn: Any = None
     if values is None:
         dyn, clean_dyn = dyn
     if cutgrid.eligible(spec.keys, spec.ops):  # rows as suffixes of one traced forward
