@@ -99,7 +99,7 @@ def test_a_gpt_capture_of_every_site_compiles_nothing_new():
     for k in acts:
         np.testing.assert_allclose(acts[k][0], reference[k][0], rtol=1e-5, atol=1e-6)
     # Names with parts: only what the plain forward never ran compiles (softmax as one
-    # operation, the stacks); a second new question compiles nothing.
+    # operation, run eagerly); a second new question compiles nothing.
     NAMES.capture(m)(tokens)
     with compiles() as names:
         jax.block_until_ready(NAMES.capture(m, "pattern")(tokens))
@@ -197,3 +197,17 @@ def test_nothing_is_installed_until_hookax_is_used():
     )
     assert done.stdout.split() == ["True", "False"]
     assert eager._INSTALLED  # this process used hookax
+
+
+def test_stack_layers_of_eager_cpu_arrays_compiles_nothing():
+    acts = {f"layers/{i}": (jnp.full((2, 5, 7), i, jnp.float32),) for i in range(3)}
+    jax.block_until_ready(acts)
+    with compiles() as names:
+        stacked = jax.block_until_ready(hx.stack_layers(acts, "layers/*"))
+    assert names == []
+    np.testing.assert_array_equal(stacked, jnp.stack([acts[f"layers/{i}"][0] for i in range(3)]))
+    assert stacked.sharding == acts["layers/0"][0].sharding and not stacked.weak_type
+    weak = {k: (jnp.asarray(1.0),) for k in ("layers/0", "layers/1")}  # weakly typed: kept so
+    assert hx.stack_layers(weak, "layers/*").weak_type
+    traced = jax.jit(lambda a: hx.stack_layers(a, "layers/*"))(acts)
+    np.testing.assert_array_equal(traced, stacked)

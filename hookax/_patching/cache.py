@@ -12,9 +12,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .._engine.select import check_glob, glob_to_regex
 from .._util.errors import HookaxError, SelectorError
+from .._util.jaxcompat import Tracer
 from .labelled import LabelledArray
 from .patch import PatchError
 
@@ -77,7 +79,31 @@ def _stack(where: str, values: Any) -> jax.Array:
             f"hx.stack_layers({where!r}): the values have different shapes {sorted(shapes)}; "
             "only values of one shape stack. Fix: a where= that picks one kind of call site."
         )
-    return jnp.stack(list(values))
+    values = list(values)
+    if _on_cpu(values):  # copied on the host: no program compiled for a new shape
+        return jax.device_put(np.stack([np.asarray(v) for v in values]), values[0].sharding)
+    return jnp.stack(values)
+
+
+def _on_cpu(values: list[Any]) -> bool:
+    """Whether ``values`` are concrete arrays of one CPU device with a NumPy dtype (not weakly
+    typed: NumPy would not keep it)."""
+    first = values[0]
+    if not isinstance(first, jax.Array) or isinstance(first, Tracer):
+        return False
+    sharding = first.sharding
+    if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        return False
+    if next(iter(sharding.device_set)).platform != "cpu":
+        return False
+    return all(
+        isinstance(v, jax.Array)
+        and not isinstance(v, Tracer)
+        and v.sharding == sharding
+        and not getattr(v, "weak_type", False)
+        and not jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended)
+        for v in values
+    )
 
 
 def _missing(where: str, acts: Mapping[str, Any], call: str = "hx.stack_layers(acts, ") -> None:
