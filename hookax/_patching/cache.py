@@ -94,7 +94,7 @@ def _on_cpu(values: list[Any]) -> bool:
     sharding = first.sharding
     if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
         return False
-    if next(iter(sharding.device_set)).platform != "cpu":
+    if getattr(next(iter(sharding.device_set)), "platform", None) != "cpu":
         return False
     return all(
         isinstance(v, jax.Array)
