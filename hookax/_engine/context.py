@@ -171,10 +171,6 @@ def publish() -> None:
                         del _INTERNED[k]
                 _INTERNED[value._hash] = weakref.ref(value)
         if REGISTERED.get_global() is not value:
-            if value is not None:
-                from . import eager
-
-                eager.install()
             REGISTERED.set_global(value)
 
 

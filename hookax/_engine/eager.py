@@ -16,11 +16,12 @@ active), four of JAX's eager steps run with hookax's keys at their defaults:
 
 * a primitive's one-operation program (``dispatch.xla_primitive_callable``);
 * compiling and running a traced ``jax.jit`` program (``pjit._pjit_call_impl_python``);
-* a ``jax.jit`` function's trace, where it is the program the function traces to with no entry
+* the trace of one of JAX's own ``jax.jit`` functions (``jax.numpy``'s, ``jax.nn``'s, given no
+  function of anyone else's), where it is the program the function traces to with no entry
   active: the trace with the entries runs first, and its program replaces it when no hookax call
-  site ran in it and the two programs print the same, with the same constants. A function that
-  calls a module, or whose program differs, keeps its own (traced and compiled with the entries,
-  as before);
+  site ran in it and the two programs print the same, with the same constants. The user's own
+  ``jax.jit`` functions keep their own programs (traced and compiled with the entries, as
+  before): their Python may do things while traced, which a second trace would do again;
 * ``jax.vmap`` of such a replaced program (``batching.batch_jaxpr2``).
 
 Inside a program being traced (``jax.jit``, ``jax.grad`` under it) nothing changes: a function's
@@ -36,6 +37,8 @@ import functools
 import threading
 import weakref
 from typing import Any
+
+import jax
 
 from .._util import jaxcompat as _jaxcompat
 from . import context as _context
@@ -134,6 +137,22 @@ def _staged() -> bool:
     return False
 
 
+def _jax_own(fun: Any, args: Any, kwargs: Any) -> bool:
+    """Whether ``fun`` is one of JAX's own ``jax.jit`` functions (``jax.numpy``'s, ``jax.nn``'s)
+    called with no function of anyone else's: tracing it again runs no user code. (A user's
+    function may do things while it is traced, such as an ``hx.hook_grad`` hook, which runs
+    when JAX traces the backward pass: it is traced once, with the entries, as before.)"""
+    if not _from_jax(fun):
+        return False
+    leaves = jax.tree.leaves((args, kwargs))
+    return all(_from_jax(x) for x in leaves if callable(x) and not isinstance(x, jax.Array))
+
+
+def _from_jax(fn: Any) -> bool:
+    module = getattr(fn, "__module__", None) or ""
+    return module == "jax" or module.startswith("jax.")
+
+
 def _same(p: Any, q: Any) -> bool:
     """Whether two traces of one function made the same program."""
     if p.in_tree != q.in_tree or p.out_tree != q.out_tree or len(p.consts) != len(q.consts):
@@ -149,7 +168,7 @@ def _same(p: Any, q: Any) -> bool:
 def _traces(original: Any) -> Any:
     @functools.wraps(original)
     def _infer_params(fun: Any, ji: Any, args: Any, kwargs: Any) -> Any:
-        if _idle() or _staged():
+        if _idle() or _staged() or not _jax_own(fun, args, kwargs):
             return original(fun, ji, args, kwargs)
         before = _context.touches()
         p, flat = original(fun, ji, args, kwargs)

@@ -23,6 +23,7 @@ from typing import Any
 
 from .._engine import adapters as _frameworks
 from .._engine import context as _context
+from .._engine import eager as _eager
 from .._engine.select import CALL_ONLY, Where, as_selector, input_entries
 from .._util.errors import HookaxError, HookError, SelectorError
 from .._util.fnkey import FnKey, note_fresh
@@ -46,6 +47,13 @@ ATTR = "_hookax_hooks"
 KINDS = ("forward_pre", "forward", "backward_pre", "backward")
 _TOKENS = itertools.count(1)
 _MARK = "__hookax_wrapped__"  # set on the method wrappers by the framework adapters
+
+
+def _publish() -> None:
+    """Publish the registered hooks as a cache key (eager operations then compile once
+    whatever is registered: :mod:`hookax._engine.eager`)."""
+    _eager.install()
+    _context.publish()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,7 +206,7 @@ class HookHandle:
             if module is not None:
                 _drop(module, self.id)
         if refs:
-            _context.publish()
+            _publish()
             if _context.call_stack():
                 _copies_in_call(self.id)
 
@@ -369,7 +377,7 @@ def _register(module: Any, record: HookRecord, where: Any, api: str) -> HookHand
         for m, rec, methods, layers in plan:
             rec = dataclasses.replace(rec, methods=methods, layers=layers, token=token)
             _store(m, (hook_set(m) or HookSet(())).add(rec))
-        _context.publish()
+        _publish()
     modules = list({id(m): m for m, _, _, _ in plan}.values())
     return HookHandle(token, modules)
 
@@ -522,7 +530,7 @@ def remove_hooks(module: Any) -> None:
     with _LOCK:
         for _, m in adapter.iter_modules(module):
             _store(m, None)
-        _context.publish()
+        _publish()
 
 
 def hooks(
