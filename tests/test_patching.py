@@ -1028,6 +1028,9 @@ def test_grid_rows_of_inputs_are_suffixes_of_one_traced_forward(
     close(whole, jnp.stack([metric(_reference_patching_input(i, True)) for i in range(1, L)]))
     if name != "nnx":
         return
+    grid_of = lambda m, c, x: hx.patch_grid(m, (c,), (x,), metric, where=keys)  # noqa: E731
+    close(jax.jit(grid_of)(fw.fn, CLEAN, CORRUPT), grid)  # the model as an argument
+    close(nnx.jit(grid_of)(fw.fn, CLEAN, CORRUPT), grid)
     monkeypatch.setattr(cutgrid, "eligible", lambda keys, ops: False)
     n = traces.n
     again = lambda y: metric(y)  # noqa: E731 (a new program)

@@ -183,7 +183,6 @@ class _Local(threading.local):
     def __init__(self) -> None:
         self.stack: list[Frame] = []
         self.trackers: dict[Any, list[Any]] = {}  # entry -> its _intercept.Tracker(s)
-        self.touches = 0  # call sites hookax ran (see touch)
 
 
 _LOCAL = _Local()
@@ -198,15 +197,6 @@ def note_match(entry: Any, ctx: Context, hit: bool) -> None:
     """Tell the trackers of ``entry`` whether its selector picked the call site ``ctx``."""
     for tracker in _LOCAL.trackers.get(entry, ()):
         tracker.note(ctx, hit)
-
-
-def touch() -> None:
-    """Count a call site hookax ran on this thread (:mod:`.eager` asks whether a trace ran any)."""
-    _LOCAL.touches += 1
-
-
-def touches() -> int:
-    return _LOCAL.touches
 
 
 def call_stack() -> list[Frame]:
@@ -296,7 +286,6 @@ class Frame:
     )
 
     def __init__(self, module: Any, method: str, parent: Frame | None, adapter: Any) -> None:
-        _LOCAL.touches += 1
         self.module = module
         self.method = method
         self.parent = parent

@@ -18,8 +18,8 @@ active), four of JAX's eager steps run with hookax's keys at their defaults:
 * compiling and running a traced ``jax.jit`` program (``pjit._pjit_call_impl_python``);
 * the trace of one of JAX's own ``jax.jit`` functions (``jax.numpy``'s, ``jax.nn``'s, given no
   function of anyone else's), where it is the program the function traces to with no entry
-  active: the trace with the entries runs first, and its program replaces it when no hookax call
-  site ran in it and the two programs print the same, with the same constants. The user's own
+  active: the trace with the entries runs first, and its program replaces it when the two print
+  the same, with the same constants. The user's own
   ``jax.jit`` functions keep their own programs (traced and compiled with the entries, as
   before): their Python may do things while traced, which a second trace would do again;
 * ``jax.vmap`` of such a replaced program (``batching.batch_jaxpr2``).
@@ -137,20 +137,19 @@ def _staged() -> bool:
     return False
 
 
-def _jax_own(fun: Any, args: Any, kwargs: Any) -> bool:
-    """Whether ``fun`` is one of JAX's own ``jax.jit`` functions (``jax.numpy``'s, ``jax.nn``'s)
-    called with no function of anyone else's: tracing it again runs no user code. (A user's
-    function may do things while it is traced, such as an ``hx.hook_grad`` hook, which runs
-    when JAX traces the backward pass: it is traced once, with the entries, as before.)"""
-    if not _from_jax(fun):
-        return False
-    leaves = jax.tree.leaves((args, kwargs))
-    return all(_from_jax(x) for x in leaves if callable(x) and not isinstance(x, jax.Array))
-
-
 def _from_jax(fn: Any) -> bool:
+    """Whether ``fn`` is JAX's own (``jax.numpy``'s, ``jax.nn``'s jitted functions). Only those,
+    given no function of anyone else's (:func:`_jax_args`), are traced a second time: they run
+    no user code, so no hookax call site, while traced. (A user's function may do things while
+    traced, such as an ``hx.hook_grad`` hook, which runs when JAX traces the backward pass: it
+    is traced once, with the entries, as before.)"""
     module = getattr(fn, "__module__", None) or ""
     return module == "jax" or module.startswith("jax.")
+
+
+def _jax_args(args: Any, kwargs: Any) -> bool:
+    leaves = jax.tree.leaves((args, kwargs))
+    return all(_from_jax(x) for x in leaves if callable(x) and not isinstance(x, jax.Array))
 
 
 def _same(p: Any, q: Any) -> bool:
@@ -168,9 +167,8 @@ def _same(p: Any, q: Any) -> bool:
 def _traces(original: Any) -> Any:
     @functools.wraps(original)
     def _infer_params(fun: Any, ji: Any, args: Any, kwargs: Any) -> Any:
-        if _idle() or _staged() or not _jax_own(fun, args, kwargs):
+        if _idle() or not _from_jax(fun) or _staged() or not _jax_args(args, kwargs):
             return original(fun, ji, args, kwargs)
-        before = _context.touches()
         p, flat = original(fun, ji, args, kwargs)
         jaxpr = p.params["jaxpr"]
         plain: Any
@@ -180,19 +178,17 @@ def _traces(original: Any) -> Any:
             return p, flat
         if plain is None:
             plain = False
-            if _context.touches() == before:
-                try:
-                    with _at_defaults():
-                        q, _ = original(fun, ji, args, kwargs)
-                    if q.params["jaxpr"] is not jaxpr and _same(p, q):
-                        plain = q
-                except Exception:  # traced only with the entries: its own program, as before
-                    plain = False
+            try:
+                with _at_defaults():
+                    q, _ = original(fun, ji, args, kwargs)
+                if q.params["jaxpr"] is not jaxpr and _same(p, q):
+                    plain = q
+            except Exception:  # traced only with the entries: its own program, as before
+                plain = False
             _SAME[jaxpr] = plain
             if plain is not False:
                 _PLAIN.add(plain.params["jaxpr"])
         if plain is False:
-            _context.touch()  # the caller's trace holds a program of hookax's
             return p, flat
         return plain, [*plain.consts, *flat[len(p.consts) :]]
 

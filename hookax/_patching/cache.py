@@ -88,21 +88,18 @@ def _stack(where: str, values: Any) -> jax.Array:
 def _on_cpu(values: list[Any]) -> bool:
     """Whether ``values`` are concrete arrays of one CPU device with a NumPy dtype (not weakly
     typed: NumPy would not keep it)."""
-    first = values[0]
-    if not isinstance(first, jax.Array) or isinstance(first, Tracer):
+    if not all(isinstance(v, jax.Array) and not isinstance(v, Tracer) for v in values):
         return False
-    sharding = first.sharding
-    if not isinstance(sharding, jax.sharding.SingleDeviceSharding):
-        return False
-    if getattr(next(iter(sharding.device_set)), "platform", None) != "cpu":
-        return False
-    return all(
-        isinstance(v, jax.Array)
-        and not isinstance(v, Tracer)
-        and v.sharding == sharding
-        and not getattr(v, "weak_type", False)
-        and not jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended)
-        for v in values
+    sharding = values[0].sharding
+    return (
+        isinstance(sharding, jax.sharding.SingleDeviceSharding)
+        and getattr(next(iter(sharding.device_set)), "platform", None) == "cpu"
+        and all(
+            v.sharding == sharding
+            and not getattr(v, "weak_type", False)
+            and not jax.dtypes.issubdtype(v.dtype, jax.dtypes.extended)
+            for v in values
+        )
     )
 
 

@@ -20,7 +20,6 @@ import jax
 import numpy as np
 
 from .._engine.context import _ACTIVE_VALUE as _ACTIVE
-from .._engine.context import touch as _touch
 from .._transforms import program as _program
 from .._util.fnkey import ById as _ById
 from .._util.fnkey import FnKey, reachable
@@ -259,7 +258,6 @@ class _ProgramFn:
             # Nothing of hookax's is active (the program as it is, at no cost), or an enclosing
             # program is being traced for its call sites (they are seen there).
             return fn(*args, **kwargs)
-        _touch()
         if _mentions_module(fn, args, kwargs):
             return fn(*args, **kwargs)
         prog = program_of(fn, args, kwargs)
