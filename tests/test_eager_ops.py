@@ -98,12 +98,23 @@ def test_a_gpt_capture_of_every_site_compiles_nothing_new():
     assert acts.keys() == reference.keys()
     for k in acts:
         np.testing.assert_allclose(acts[k][0], reference[k][0], rtol=1e-5, atol=1e-6)
-    # Names with parts: only what the plain forward never ran compiles (softmax as one
-    # operation, run eagerly); a second new question compiles nothing.
-    NAMES.capture(m)(tokens)
+    # Names with parts: only what the plain forward never ran compiles: softmax as one
+    # operation (a custom_jvp function under ops=), its traced body as one program where op
+    # by op compiled each of its 8 operations; a second new question compiles nothing.
+    eager._BODIES.clear()
     with compiles() as names:
-        jax.block_until_ready(NAMES.capture(m, "pattern")(tokens))
+        _, named = NAMES.capture(m)(tokens)
+        jax.block_until_ready(named)
+    assert names == ["jit(softmax_body)"]
+    with compiles() as names:
+        pattern = NAMES.capture(m, "pattern")(tokens)[1]
+        jax.block_until_ready(pattern)
     assert names == []
+    with jax.disable_jit():
+        expected = NAMES.capture(m, "pattern")(tokens)[1]
+    for key in expected:
+        np.testing.assert_allclose(pattern[key], expected[key], rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(pattern[key], named[key])
 
 
 def test_a_registered_hook_compiles_nothing_the_model_ran():

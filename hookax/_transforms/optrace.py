@@ -33,6 +33,7 @@ from typing import Any, cast
 import jax
 import numpy as np
 
+from .._engine import eager as _eager
 from .._util.errors import HookaxError, HookError
 from .._util.jaxcompat import (
     ClosedJaxpr,
@@ -390,6 +391,12 @@ class OpTrace(ForwardingTrace):
         if touched:
             out = bind(_as_fun(closed, fun))
             _restore(saved, rules[0])
+        elif (below := _eager_below(self)) is not None and (run := _eager.program_of(closed, name)):
+            # Run eagerly: the traced body as one program (op by op, each of its operations
+            # compiled once per process), with the function's stores as its run leaves them.
+            with core.set_current_trace(below):
+                out = run(*args)
+            _restore(saved, rules[0])
         else:  # nothing inside changed: the function as it was (its stores were emptied)
             out = bind(fun)
         with core.set_current_trace(self.parent):
@@ -407,6 +414,14 @@ class OpTrace(ForwardingTrace):
                 return fun(*a)
 
         return self.parent.process_shard_map(prim, body, args, **params)
+
+
+def _eager_below(trace: Any) -> Any:
+    """The eager trace under ``trace`` and the traces that only forward to it, or None."""
+    t = trace.parent
+    while isinstance(t, ForwardingTrace):
+        t = t.parent
+    return t if type(t) is core.EvalTrace else None
 
 
 def _under(f: Any, walker: Walker, *args: Any) -> Any:
