@@ -546,6 +546,67 @@ def test_attribution_equals_its_formula(fw: Framework) -> None:
     assert corr > 0.9, corr
 
 
+@pytest.mark.parametrize("name", ["nnx", "linen", "equinox"])
+def test_attribution_runs_the_forward_its_targets_were_found_in(
+    name: str, traces: Any, monkeypatch: Any
+) -> None:
+    """Clean values, corrupted values and gradients come from the one traced forward that
+    found the targets (run on the clean inputs, then differentiated): the model is traced once
+    for any number of estimates over it, outputs or inputs (``":in"``); under an interceptor
+    (another trace context) it is traced again, and intercepted. The same estimate as the
+    program that traces the model for each."""
+    from hookax._patching import attribution
+
+    fw = make(name)
+
+    def forward(*args: Any) -> jax.Array:
+        traces()
+        return fw.fn(*args)
+
+    args = (forward, fw.args(CLEAN), fw.args(CORRUPT), metric)
+    got = hx.attribution_patch(*args, where=fw.keys)
+    close(got, ATTRIBUTION)
+    inputs = hx.attribution_patch(*args, where=[k + ":in" for k in fw.keys[1:]])
+    close(inputs, ATTRIBUTION[:-1])  # layer i's input is layer i - 1's output
+    assert traces.n == 1
+    with hx.intercept(lambda nf, a, k, c: nf(*a, **k) * 0, where=fw.keys[-1]):
+        zeroed = hx.attribution_patch(*args, where=fw.keys)
+    close(zeroed, jnp.zeros_like(ATTRIBUTION))  # the logits no longer depend on anything
+    assert traces.n > 1
+    monkeypatch.setattr(attribution, "_from_forward", lambda *a: None)
+    again = lambda y: metric(y)  # noqa: E731 (a new program)
+    close(hx.attribution_patch(forward, *args[1:3], again, where=fw.keys), got)
+
+
+_POSITIONS = jnp.arange(T)  # a constant array: concrete while the model is traced
+
+
+class _Window(nnx.Module):
+    """A call site given a constant array, which it reads with NumPy (concrete only)."""
+
+    def __call__(self, idx: jax.Array) -> jax.Array:
+        return jnp.ones((int(np.asarray(idx)[-1]) + 1,))
+
+
+class _Windowed(nnx.Module):
+    def __init__(self) -> None:
+        self.window = _Window()
+        self.model = NModel()
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.model(x * self.window(_POSITIONS)[:, None])
+
+
+def test_finding_targets_leaves_constant_inputs_and_outputs_concrete() -> None:
+    """Finding the targets marks the values of call sites traced with the forward, not
+    constants a call site reads as Python values; the grid and estimate are the model's."""
+    model = _Windowed()
+    keys = [f"model/layers/{i}" for i in range(L)]
+    args = (model, (CLEAN,), (CORRUPT,), metric)
+    close(hx.patch_grid(*args, where=keys), LAYER_GRID)
+    close(hx.attribution_patch(*args, where=keys), ATTRIBUTION)
+
+
 def test_attribution_positions_and_masks_give_the_same_layout() -> None:
     model = NModel()
     args = (model, (CLEAN,), (CORRUPT,), metric)
@@ -963,8 +1024,9 @@ def test_attribution_of_an_operation_in_one_layer_of_a_scanned_stack() -> None:
 def test_grid_rows_are_suffixes_of_one_traced_forward(name: str, traces: Any) -> None:
     """The grid traces the forward once for all its rows (each row runs only what follows its
     target), as a hand-written grid does, and reads the clean values from the same traced
-    forward run on the clean inputs: the forward is traced twice in all (finding the targets,
-    the grid), not once per row; the same grid."""
+    forward run on the clean inputs: the forward is traced once in all (finding the targets;
+    the grid's program is built from that trace), not once per row; the same grid. Under an
+    interceptor (another trace context) that trace is not reused: the intercepted grid."""
     fw = make(name)
 
     def forward(*args: Any) -> jax.Array:
@@ -973,7 +1035,14 @@ def test_grid_rows_are_suffixes_of_one_traced_forward(name: str, traces: Any) ->
 
     grid = hx.patch_grid(forward, fw.args(CLEAN), fw.args(CORRUPT), metric, where=fw.keys)
     close(grid, LAYER_GRID)
-    assert traces.n == 2
+    assert traces.n == 1
+    again = lambda y: metric(y)  # noqa: E731 (a new program)
+    with hx.intercept(lambda nf, a, k, c: nf(*a, **k) * 0, where=fw.keys[-1]):
+        zeroed = hx.patch_grid(forward, fw.args(CLEAN), fw.args(CORRUPT), again, where=fw.keys)
+    assert traces.n == 2  # the grid's own trace, in the new context
+    close(zeroed, jnp.zeros_like(LAYER_GRID))  # the last layer's output zeroed: logits 0
+    close(hx.patch_grid(forward, fw.args(CLEAN), fw.args(CORRUPT), again, where=fw.keys), grid)
+    assert traces.n == 2  # back in the first context: its trace again
 
 
 def test_head_grid_of_operations_traces_the_forward_once_for_its_rows(traces: Any) -> None:
@@ -1007,7 +1076,7 @@ def test_grid_rows_of_inputs_are_suffixes_of_one_traced_forward(
     name: str, traces: Any, monkeypatch: Any
 ) -> None:
     """``"key:in"`` targets (a call's one positional argument: TransformerLens' resid_pre) cut
-    the same one traced forward: two traces in all, the hand-patched grid, and (NNX) the grid
+    the same one traced forward: one trace in all, the hand-patched grid, and (NNX) the grid
     of the program that traces a forward per row."""
     from hookax._patching import cutgrid
 
@@ -1021,7 +1090,7 @@ def test_grid_rows_of_inputs_are_suffixes_of_one_traced_forward(
     grid = hx.patch_grid(forward, fw.args(CLEAN), fw.args(CORRUPT), metric, where=keys)
     want = [[metric(_reference_patching_input(i, mask_of(t))) for t in range(T)] for i in range(L)]
     close(grid, jnp.asarray(want))
-    assert traces.n == 2
+    assert traces.n == 1
     whole = hx.patch_grid(
         forward, fw.args(CLEAN), fw.args(CORRUPT), metric, where=keys[1:], positions=None
     )

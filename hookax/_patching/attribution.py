@@ -2,8 +2,10 @@
 
 Attribution patching (Nanda, 2023) estimates the effect of patching an activation by
 ``(clean - corrupted) . d metric / d activation`` at the corrupted run. One compiled program
-runs the corrupted forward and backward (``hx.value_and_grad`` over the targets, with
-``hx.capture`` of their values inside it); the clean values come from the grid's capture.
+computes the clean values, and runs the corrupted forward and backward: for call sites, the
+forward traced when the targets were found, run on the clean inputs and differentiated with
+zeros added at the targets' marks; otherwise ``hx.value_and_grad`` over the targets, with
+``hx.capture`` of their values inside it, and a capture of the clean values.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from .._engine import firstcall
 from .._engine.select import Where
 from .._util import nnxsplit
 from ..frameworks._functions import as_program
-from . import compiled, targets
+from . import compiled, cutgrid, targets
 from .grid import Plan, capture_targets
 from .heads import patch_mask
 from .labelled import LabelledArray
@@ -69,15 +71,44 @@ def _loss(
                 y, acts = capture_targets(fn, keys, ops, plain)(*args)
         else:
             y, acts = capture_targets(fn, keys, ops, plain)(*args)
-        m = metric(y)
-        if jnp.shape(m) != ():
-            raise PatchError(
-                f"{WHO}: the metric must return a scalar to be differentiated, got shape "
-                f"{jnp.shape(m)}. Fix: reduce it, e.g. lambda y: y[0, -1, a] - y[0, -1, b]."
-            )
-        return m, acts
+        return _scalar(metric(y)), acts
 
     return loss
+
+
+def _scalar(m: Any) -> Any:
+    if jnp.shape(m) != ():
+        raise PatchError(
+            f"{WHO}: the metric must return a scalar to be differentiated, got shape "
+            f"{jnp.shape(m)}. Fix: reduce it, e.g. lambda y: y[0, -1, a] - y[0, -1, b]."
+        )
+    return m
+
+
+def _from_forward(spec: _Spec, dyn: list[Any], clean_dyn: list[Any], metric: Any) -> Any:
+    """``(clean, corrupted, gradients)`` of the targets from the forward they were found in
+    (``targets.discover``'s program, each call site's value marked): run on the clean inputs,
+    then differentiated at the corrupted ones with zeros added at the marks; no trace of the
+    model. None where that program does not serve (operations, parts, a target inside a
+    transform or called twice, another trace context, values that are not floats)."""
+    if spec.ops or not cutgrid.eligible(spec.keys, ()) or spec.clean_rest != spec.rest:
+        return None
+    traced = targets.forward(dyn, spec.rest, spec.keys)
+    if traced is None:
+        return None
+    closed, out_tree = traced
+    clean = cutgrid.values_at(closed, jax.tree.leaves(clean_dyn), spec.keys)
+    if clean is None or not all(jnp.issubdtype(v.dtype, jnp.inexact) for v in clean.values()):
+        return None
+    flat = jax.tree.leaves(dyn)
+
+    def loss(deltas: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        y, acts = cutgrid.with_deltas(closed, out_tree, flat, deltas)
+        return _scalar(metric(y)), acts
+
+    zeros = {k: jnp.zeros_like(v) for k, v in clean.items()}
+    (_, corrupt), grads = jax.value_and_grad(loss, has_aux=True)(zeros)
+    return tuple({k: (v,) for k, v in d.items()} for d in (clean, corrupt, grads))
 
 
 def _term(key: str, shape: tuple[int, ...], clean: Any, corrupt: Any, grad: Any) -> Any:
@@ -136,6 +167,25 @@ def _op_grads(
 def _attribute(
     spec: _Spec, dyn: list[Any], mdyn: list[Any], clean_dyn: list[Any], cols: Any
 ) -> Any:
+    metric = compiled.join(mdyn, spec.metric)
+    got = _from_forward(spec, dyn, clean_dyn, metric)
+    if got is None:
+        clean, corrupt, grads = _traced(spec, dyn, clean_dyn, metric)
+    else:
+        clean, corrupt, grads = got
+    rows = []
+    for key, shape in zip(spec.keys, spec.shapes):
+        term = _term(
+            key,
+            shape,
+            *(targets.values_of(acts, key) for acts in (clean, corrupt, grads)),
+        )
+        rows.append(_row(term, cols, shape, spec, key))
+    return jnp.stack(rows)
+
+
+def _traced(spec: _Spec, dyn: list[Any], clean_dyn: list[Any], metric: Any) -> Any:
+    """``(clean, corrupted, gradients)`` of the targets, the model traced for each."""
     keys, ops = list(spec.keys), list(spec.ops)
     # The clean values in the same program: one compilation for the whole estimate.
     clean_fn, clean_args = compiled.join(clean_dyn, spec.clean_rest)
@@ -148,7 +198,6 @@ def _attribute(
     # holds it.
     leaves = jax.tree.leaves(fn, is_leaf=nnxsplit.is_module)
     held = fn if any(compiled.is_array(x) or nnxsplit.is_module(x) for x in leaves) else _Closed(fn)
-    metric = compiled.join(mdyn, spec.metric)
     floating = all(
         jnp.issubdtype(v.dtype, jnp.inexact) for k in keys for v in targets.values_of(clean, k)
     )
@@ -162,15 +211,7 @@ def _attribute(
         grad_in = lambda *a: inner(a[-1], *a[:-1])  # noqa: E731
         mode = _mode(grad_in, (held, *args), {}, ())
         (_, corrupt), (grads,) = _differentiate(grad_in, mode, (), True, (held, *args), deltas)
-    rows = []
-    for key, shape in zip(spec.keys, spec.shapes):
-        term = _term(
-            key,
-            shape,
-            *(targets.values_of(acts, key) for acts in (clean, corrupt, grads)),
-        )
-        rows.append(_row(term, cols, shape, spec, key))
-    return jnp.stack(rows)
+    return clean, corrupt, grads
 
 
 def attribution_patch(

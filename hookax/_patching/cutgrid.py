@@ -32,18 +32,13 @@ from .._util.jaxcompat import (
     core,
     jaxprs_in_params,
     mesh_context,
-    mlir,
     to_context_mesh,
 )
 from . import targets
 from .heads import patch_mask
+from .targets import cut_p
 
 __all__ = ["eligible", "rows"]
-
-cut_p = core.Primitive("hookax_cut")
-cut_p.def_impl(lambda x, *, key: x)
-cut_p.def_abstract_eval(lambda x, *, key: x)
-mlir.register_lowering(cut_p, lambda ctx, x, *, key: [x])
 
 
 def eligible(keys: Sequence[str], ops: Sequence[str]) -> bool:
@@ -87,39 +82,28 @@ def rows(
     heads: int | None,
     metric: Callable[[Any], Any],
     clean_args: tuple[Any, ...] | None = None,
+    traced: tuple[Any, Any, list[Any], list[Any] | None] | None = None,
 ) -> Any | None:
     """Every target's row (``[len(keys), n_patches, ...]``) for ``patches`` (``(columns,
     heads)``, either None, a leading axis on those given), or None where the program does not
     have the shape this needs. ``values`` None: the targets' clean values are read from the
-    same traced forward run on ``clean_args`` (the clean run's inputs; the model is ``fn``'s)."""
-    flat, in_tree = jax.tree.flatten(args)
-    sites = [k for k in keys if k not in ops]
-
-    def forward(*xs: Any) -> Any:
-        with contextlib.ExitStack() as stack:
-            if sites:
-                stack.enter_context(intercept(_marker(sites), where=targets.selector(sites)))
-            if ops:
-                stack.enter_context(intercept_op(_mark_op, ops=list(ops)))
-            return fn(*jax.tree.unflatten(in_tree, xs))
-
-    try:
-        closed, shape = jax.make_jaxpr(forward, return_shape=True)(*flat)
-    except Exception:  # a model this cannot trace so: the grid as before, which says why
-        return None
+    same traced forward run on ``clean_args`` (the clean run's inputs; the model is ``fn``'s).
+    ``traced``: the forward already traced with every call site marked (``targets.discover``'s:
+    program, output tree, its inputs for the corrupted run and for the clean run, or None
+    where the clean inputs do not fit it), used instead of tracing ``fn`` again."""
+    if traced is not None:
+        closed, out_tree, flat, clean_flat = traced
+    else:
+        got = _trace(fn, args, keys, ops)
+        if got is None:
+            return None
+        closed, out_tree, flat, clean_flat = (*got, _flat_like(clean_args, args))
     jaxpr, consts = closed_parts(closed)
-    at: dict[str, int] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive is cut_p:
-            key = eqn.params["key"]
-            if key in at:
-                return None  # it runs more than once
-            at[key] = i
-    if set(at) != set(keys) or _nested_cut(jaxpr):
+    at = marks(jaxpr, keys)
+    if at is None:
         return None
     if values is None:
-        clean_flat, clean_tree = jax.tree.flatten(clean_args)
-        if clean_tree != cast(Any, in_tree):
+        if clean_flat is None:
             return None
         clean_env = _run(jaxpr, consts, clean_flat)  # the clean forward, the same program
         values = {key: (clean_env[jaxpr.eqns[at[key]].outvars[0]],) for key in keys}
@@ -130,7 +114,6 @@ def rows(
             return None
 
     env = _run(jaxpr, consts, flat)  # the corrupted forward, once
-    out_tree = jax.tree.structure(shape)
     out: list[Any] = []
     for key in keys:
         i = at[key]
@@ -170,10 +153,89 @@ def rows(
     return jnp.stack(out)
 
 
-def _nested_cut(jaxpr: Any) -> bool:
+def marks(jaxpr: Any, keys: Sequence[str]) -> dict[str, int] | None:
+    """``{key: index of its mark}`` in ``jaxpr``, or None unless each of ``keys`` is marked
+    exactly once, among the program's own operations (not inside an inner program)."""
+    at: dict[str, int] = {}
+    wanted = set(keys)
+    for i, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive is cut_p and eqn.params["key"] in wanted:
+            key = eqn.params["key"]
+            if key in at:
+                return None  # it runs more than once
+            at[key] = i
+    if set(at) != wanted or _nested_cut(jaxpr, wanted):
+        return None
+    return at
+
+
+def values_at(closed: Any, flat: list[Any], keys: Sequence[str]) -> dict[str, Any] | None:
+    """The marked values of ``keys`` in one run of ``closed`` on ``flat`` (None: not marked
+    once each)."""
+    jaxpr, consts = closed_parts(closed)
+    if marks(jaxpr, keys) is None:
+        return None
+    got: dict[str, Any] = {}
+    _run(jaxpr, consts, flat, lambda key, v: got.setdefault(key, v))
+    return {k: got[k] for k in keys}
+
+
+def with_deltas(
+    closed: Any, out_tree: Any, flat: list[Any], deltas: dict[str, Any]
+) -> tuple[Any, dict[str, Any]]:
+    """``(output, marked values)`` of one run of ``closed`` on ``flat`` with ``deltas[key]``
+    added to the value marked ``key``: the gradient with respect to a delta is the
+    gradient with respect to that value."""
+    jaxpr, consts = closed_parts(closed)
+    got: dict[str, Any] = {}
+
+    def add(key: str, v: Any) -> Any:
+        if key not in deltas:
+            return v
+        got[key] = v
+        return v + deltas[key]
+
+    env = _run(jaxpr, consts, flat, add)
+    outs = [_read(x, {}, env) for x in jaxpr.outvars]
+    return jax.tree.unflatten(out_tree, outs), got
+
+
+def _trace(
+    fn: Any, args: tuple[Any, ...], keys: tuple[str, ...], ops: tuple[str, ...]
+) -> tuple[Any, Any, list[Any]] | None:
+    """``fn(*args)`` traced with the targets marked: ``(program, output tree, its inputs)``,
+    or None where it cannot be traced so."""
+    flat, in_tree = jax.tree.flatten(args)
+    sites = [k for k in keys if k not in ops]
+
+    def forward(*xs: Any) -> Any:
+        with contextlib.ExitStack() as stack:
+            if sites:
+                stack.enter_context(intercept(_marker(sites), where=targets.selector(sites)))
+            if ops:
+                stack.enter_context(intercept_op(_mark_op, ops=list(ops)))
+            return fn(*jax.tree.unflatten(in_tree, xs))
+
+    try:
+        closed, shape = jax.make_jaxpr(forward, return_shape=True)(*flat)
+    except Exception:  # a model this cannot trace so: the grid as before, which says why
+        return None
+    return closed, jax.tree.structure(shape), flat
+
+
+def _flat_like(clean_args: Any, args: Any) -> list[Any] | None:
+    """The clean inputs flat, where they have the corrupted inputs' structure."""
+    if clean_args is None:
+        return None
+    clean_flat, clean_tree = jax.tree.flatten(clean_args)
+    return clean_flat if clean_tree == cast(Any, jax.tree.structure(args)) else None
+
+
+def _nested_cut(jaxpr: Any, keys: set[str]) -> bool:
     def inside(j: Any) -> bool:
         return any(
-            e.primitive is cut_p or any(inside(s) for s in jaxprs_in_params(e.params))
+            (e.primitive is cut_p and e.params["key"] in keys)
+            or any(inside(s) for s in jaxprs_in_params(e.params))
             for e in j.eqns
         )
 
@@ -202,13 +264,21 @@ def _bind(eqn: Any, invals: list[Any]) -> list[Any]:
     return invals if eqn.primitive is cut_p else bind_eqn(eqn, invals)
 
 
-def _run(jaxpr: Any, consts: list[Any], args: list[Any]) -> dict[Any, Any]:
-    """Every variable's value in one run of ``jaxpr``."""
+def _run(
+    jaxpr: Any,
+    consts: list[Any],
+    args: list[Any],
+    at_mark: Callable[[str, Any], Any] | None = None,
+) -> dict[Any, Any]:
+    """Every variable's value in one run of ``jaxpr``; ``at_mark(key, value)``, where given,
+    gives each marked value (``cut_p``'s input) its value from there on."""
     env: dict[Any, Any] = dict(
         zip([*jaxpr.constvars, *jaxpr.invars], [*consts, *args], strict=True)
     )
     for eqn in jaxpr.eqns:
         invals = [x.val if isinstance(x, core.Literal) else env[x] for x in eqn.invars]
+        if at_mark is not None and eqn.primitive is cut_p:
+            invals = [at_mark(eqn.params["key"], invals[0])]
         for o, x in zip(eqn.outvars, _bind(eqn, invals), strict=True):
             env[o] = x
     return env

@@ -110,6 +110,13 @@ def _grid(
     if cutgrid.eligible(spec.keys, spec.ops):  # rows as suffixes of one traced forward
         fn, args = compiled.join(dyn, spec.rest)
         clean_args = None if clean_dyn is None else compiled.join(clean_dyn, spec.clean_rest)[1]
+        traced = None
+        # the forward the targets were found in, its call sites marked
+        found = None if spec.ops else targets.forward(dyn, spec.rest, spec.keys)
+        if found is not None:
+            same = clean_dyn is not None and spec.clean_rest == spec.rest
+            clean_flat = jax.tree.leaves(clean_dyn) if same else None
+            traced = (*found, jax.tree.leaves(dyn), clean_flat)
         got = cutgrid.rows(
             fn,
             args,
@@ -121,6 +128,7 @@ def _grid(
             spec.heads,
             metric,
             clean_args,
+            traced,
         )
         if got is not None:
             return got

@@ -30,24 +30,34 @@ from .._engine.select import (
 from .._hooks.intercept import Entry, intercept, scoped
 from .._util.errors import SelectorError
 from .._util.fnkey import FnKey
-from .._util.jaxcompat import core
+from .._util.jaxcompat import closed_parts, core, mlir, trace_context
 from .._util.parts import leaf_at, parts, split_part, unwrap_sole
 from .._util.specs import Shown, describe, describe_flat
 from . import compiled
 from .patch import PatchError, position_mask, split_input
 
-__all__ = ["Target", "columns", "discover", "expand", "selector", "where_keys"]
+__all__ = ["Target", "columns", "cut_p", "discover", "expand", "forward", "selector", "where_keys"]
 
 Target = tuple[str, str, bool]  # (path glob, method, whether the call's input is the target)
 _SHAPES: dict[Any, Found] = {}
+
+# A mark on a value in a traced forward (the identity): where a patch goes in (``cutgrid``).
+cut_p = core.Primitive("hookax_cut")
+cut_p.def_impl(lambda x, *, key: x)
+cut_p.def_abstract_eval(lambda x, *, key: x)
+mlir.register_lowering(cut_p, lambda ctx, x, *, key: [x])
 
 
 class Found(dict[str, list[Any]]):
     """What :func:`discover` found: ``{key: [output spec per call]}``, and in ``nested`` the
     keys of the call sites called inside a transform within ``fn`` (a scan, a vmap, a remat,
-    a jitted function): their values live in that transform's trace."""
+    a jitted function): their values live in that transform's trace. ``forward``: the traced
+    program of ``fn(*args)`` over ``dyn``'s arrays, with each call at ``fn``'s own level marked
+    (``cutgrid.cut_p``: its output, and its one positional array argument as ``"key:in"``),
+    its output tree, and the trace context it was traced in."""
 
     nested: frozenset[str] = frozenset()
+    forward: tuple[Any, Any, Any] | None = None
 
 
 def parse(where: Any, who: str) -> list[Target]:
@@ -135,13 +145,17 @@ def discover(dyn: list[Any], rest: Any) -> Found:
     def record(
         next_fun: Callable[..., Any], args: tuple, kwargs: dict[str, Any], context: Any
     ) -> Any:
-        calls = found.setdefault(context.key, [])  # keys in the order their first call started
-        found.setdefault(f"{context.key}:in", []).append(_spec(args[0] if len(args) == 1 else args))
-        if core.trace_ctx.trace is not top[0]:
-            nested.add(context.key)
+        key = context.key
+        calls = found.setdefault(key, [])  # keys in the order their first call started
+        found.setdefault(f"{key}:in", []).append(_spec(args[0] if len(args) == 1 else args))
+        mark = core.trace_ctx.trace is top[0]
+        if not mark:
+            nested.add(key)
+        elif len(args) == 1 and isinstance(args[0], core.Tracer):  # (a constant stays one)
+            args = (cut_p.bind(args[0], key=f"{key}:in"),)
         out = next_fun(*args, **kwargs)
         calls.append(_spec(out))
-        return out
+        return cut_p.bind(out, key=key) if mark and isinstance(out, core.Tracer) else out
 
     def run(dyn: list[Any]) -> Any:
         top[:] = [core.trace_ctx.trace]
@@ -149,12 +163,32 @@ def discover(dyn: list[Any], rest: Any) -> Found:
         with intercept(record):
             return f(*a)
 
-    jax.eval_shape(run, dyn)
+    context = trace_context()
+    closed, shape = jax.make_jaxpr(run, return_shape=True)(dyn)
     found.nested = frozenset(nested)
+    if not any(isinstance(c, core.Tracer) for c in closed_parts(closed)[1]):  # kept: no tracer
+        found.forward = (closed, jax.tree.structure(shape), context)
     if len(_SHAPES) > 64:
         _SHAPES.clear()
     _SHAPES[cache_key] = found
     return found
+
+
+def forward(dyn: list[Any], rest: Any, keys: tuple[str, ...]) -> tuple[Any, Any] | None:
+    """``(program, output tree)`` of ``fn(*args)`` as :func:`discover` traced it
+    (:attr:`Found.forward`), where it was traced in this trace context and no call of the
+    call sites ``keys`` name ran inside a transform (unmarked); else None."""
+    found = _SHAPES.get((rest, compiled.avals(dyn)))
+    if found is None or found.forward is None:
+        return None
+    if any(site_key(k) in found.nested for k in keys):
+        return None
+    closed, tree, context = found.forward
+    try:
+        same = bool(context == trace_context())
+    except Exception:  # a context value that does not compare
+        same = False
+    return (closed, tree) if same else None
 
 
 def _spec(value: Any) -> Any:

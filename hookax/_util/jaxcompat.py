@@ -79,12 +79,15 @@ __all__ = [
     "scan_counts",
     "scan_params",
     "source_info_util",
+    "trace_context",
     "treedef_from",
 ]
 
 JAX_VERSION: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3])
 
 Tracer = core.Tracer
+# Every configuration value a trace depends on (JAX's jit caches key on it; hookax's keys too).
+trace_context = config.trace_context
 
 # JAX 0.12 folded ClosedJaxpr into Jaxpr: a Jaxpr carries its constants (``.consts``) and
 # ``jax.extend.core.ClosedJaxpr`` is Jaxpr itself.
