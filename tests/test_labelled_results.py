@@ -144,12 +144,23 @@ def test_clean_and_corrupted_are_the_unpatched_metric_read_when_asked(
         traces()
         return metric(y)
 
-    fresh = hx.patch_grid(model, (CLEAN,), (CORRUPT,), counted, where="layers/*")
+    forwards = []
+
+    class Counted(nnx.Module):
+        def __init__(self, inner: NModel) -> None:
+            self.inner = inner
+
+        def __call__(self, x: jax.Array) -> jax.Array:
+            forwards.append(x)
+            return self.inner(x)
+
+    fresh = hx.patch_grid(Counted(model), (CLEAN,), (CORRUPT,), counted, where="inner/layers/*")
     assert traces.n == L  # the grid alone: nothing more
     assert fresh.clean == pytest.approx(float(metric(model(CLEAN))), abs=1e-6)
     assert fresh.corrupted == pytest.approx(float(metric(model(CORRUPT))), abs=1e-6)
     n = traces.n
     assert fresh.clean is not None and traces.n == n  # read once, kept
+    assert len(forwards) == 1  # the model traced once: to find the targets, reused since
 
 
 def fits_80(result: Any, monkeypatch: Any) -> list[str]:

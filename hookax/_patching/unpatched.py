@@ -4,7 +4,8 @@ read.
 A grid's program runs only patched forwards; the two unpatched runs' metric is what a picture
 is centred on and what normalising divides by. :class:`Unpatched` keeps the arrays of both runs
 (the model's, the inputs', the metric's) and runs them, in one compiled program cached like the
-grid's, the first time ``clean`` or ``corrupted`` is read; then it lets go of those arrays. A
+grid's, the first time ``clean`` or ``corrupted`` is read (the forward traced when the targets
+were found, where it serves: no trace of the model); then it lets go of those arrays. A
 grid nobody normalises or draws costs nothing more.
 """
 
@@ -22,9 +23,16 @@ __all__ = ["Unpatched"]
 
 @firstcall.program(static_argnums=(0, 1, 2))
 def _runs(rest: Any, clean_rest: Any, metric: Any, dyn: Any, clean_dyn: Any, mdyn: Any) -> Any:
-    from . import compiled
+    from . import compiled, cutgrid, targets
 
     m = compiled.join(mdyn, metric)
+    found = targets.forward(dyn, rest, ()) if clean_rest == rest else None
+    if found is not None:  # the forward traced when the targets were found: no trace here
+        closed, tree = found
+        clean, corrupted = (
+            cutgrid.with_deltas(closed, tree, jax.tree.leaves(d), {})[0] for d in (clean_dyn, dyn)
+        )
+        return m(clean), m(corrupted)
     (fn, args), (clean_fn, clean_args) = (
         compiled.join(d, r) for d, r in ((dyn, rest), (clean_dyn, clean_rest))
     )
