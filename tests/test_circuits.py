@@ -763,3 +763,10 @@ def test_edges_plot_of_a_few_edges_or_none(model):
     assert [t.get_text() for t in ax.get_yticklabels()] == [
         "embeddings", "layer 0 heads", "layer 1 heads", "logits"
     ]  # fmt: skip
+
+
+def test_edge_attribution_needs_a_scalar_metric(model):
+    with pytest.raises(
+        hx.HookaxError, match=r"hx\.edge_attribution: the metric must return a scalar"
+    ):
+        hx.edge_attribution(model, (CLEAN,), (CORRUPT,), lambda y: y[:, -1], induction.components())

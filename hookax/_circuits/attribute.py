@@ -22,6 +22,7 @@ import numpy as np
 from .._engine import firstcall
 from .._interp.components import Components
 from .._patching import compiled
+from .._patching.patch import scalar_metric
 from .._util.errors import HookaxError
 from ..frameworks._functions import as_program
 from .edges import Edges
@@ -41,12 +42,7 @@ class _Spec:
 
 
 def _scalar(m: Any) -> Any:
-    if jnp.shape(m) != ():
-        raise HookaxError(
-            f"{WHO}: the metric must return a scalar to be differentiated, got shape "
-            f"{jnp.shape(m)}. Fix: reduce it, e.g. lambda y: y[0, -1, a] - y[0, -1, b]."
-        )
-    return m
+    return scalar_metric(m, WHO, HookaxError)
 
 
 @firstcall.program(static_argnums=0)

@@ -26,7 +26,7 @@ from . import compiled, cutgrid, targets
 from .grid import Plan, capture_targets
 from .heads import patch_mask
 from .labelled import LabelledArray
-from .patch import PatchError, position_mask, shifting, split_input
+from .patch import position_mask, scalar_metric, shifting, split_input
 
 __all__ = ["attribution_patch"]
 
@@ -77,12 +77,7 @@ def _loss(
 
 
 def _scalar(m: Any) -> Any:
-    if jnp.shape(m) != ():
-        raise PatchError(
-            f"{WHO}: the metric must return a scalar to be differentiated, got shape "
-            f"{jnp.shape(m)}. Fix: reduce it, e.g. lambda y: y[0, -1, a] - y[0, -1, b]."
-        )
-    return m
+    return scalar_metric(m, WHO)
 
 
 def _from_forward(spec: _Spec, dyn: list[Any], clean_dyn: list[Any], metric: Any) -> Any:

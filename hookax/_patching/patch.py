@@ -45,6 +45,16 @@ class PatchError(HookaxError, ValueError):
     """A patch value or position of the wrong shape, dtype or kind for its call site."""
 
 
+def scalar_metric(m: Any, who: str, error: type[Exception] = PatchError) -> Any:
+    """``m``, a metric's value to differentiate; ``error`` naming ``who`` if not a scalar."""
+    if jnp.shape(m) != ():
+        raise error(
+            f"{who}: the metric must return a scalar to be differentiated, got shape "
+            f"{jnp.shape(m)}. Fix: reduce it, e.g. lambda y: y[0, -1, a] - y[0, -1, b]."
+        )
+    return m
+
+
 class _State:
     """One active block: its spec, and what happened while it ran."""
 
