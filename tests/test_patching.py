@@ -569,6 +569,23 @@ def test_attribution_runs_the_forward_its_targets_were_found_in(
     inputs = hx.attribution_patch(*args, where=[k + ":in" for k in fw.keys[1:]])
     close(inputs, ATTRIBUTION[:-1])  # layer i's input is layer i - 1's output
     assert traces.n == 1
+    used = []
+    from_forward = attribution._from_forward
+
+    def spy(*a: Any) -> Any:
+        used.append(from_forward(*a) is not None)
+        return used[-1] and from_forward(*a)
+
+    monkeypatch.setattr(attribution, "_from_forward", spy)
+
+    def estimate(state: Any, clean: jax.Array, corrupt: jax.Array) -> Any:
+        fn, pre = (fw.fn, (state,)) if name == "linen" else (state, ())
+        new = lambda y: metric(y)  # noqa: E731 (a program no other test traced)
+        return hx.attribution_patch(fn, (*pre, clean), (*pre, corrupt), new, where=fw.keys)
+
+    close(fw.jit(estimate)(fw.state, CLEAN, CORRUPT), got)  # the model as an argument
+    assert used == [True]
+    monkeypatch.setattr(attribution, "_from_forward", from_forward)
     with hx.intercept(lambda nf, a, k, c: nf(*a, **k) * 0, where=fw.keys[-1]):
         zeroed = hx.attribution_patch(*args, where=fw.keys)
     close(zeroed, jnp.zeros_like(ATTRIBUTION))  # the logits no longer depend on anything
@@ -597,9 +614,9 @@ class _Windowed(nnx.Module):
         return self.model(x * self.window(_POSITIONS)[:, None])
 
 
-def test_finding_targets_leaves_constant_inputs_and_outputs_concrete() -> None:
-    """Finding the targets marks the values of call sites traced with the forward, not
-    constants a call site reads as Python values; the grid and estimate are the model's."""
+def test_finding_targets_leaves_a_constant_input_concrete() -> None:
+    """Finding the targets marks the values of call sites traced with the forward, not a
+    constant a call site reads with NumPy; the grid and estimate are the model's."""
     model = _Windowed()
     keys = [f"model/layers/{i}" for i in range(L)]
     args = (model, (CLEAN,), (CORRUPT,), metric)

@@ -86,19 +86,17 @@ def _from_forward(spec: _Spec, dyn: list[Any], clean_dyn: list[Any], metric: Any
     then differentiated at the corrupted ones with zeros added at the marks; no trace of the
     model. None where that program does not serve (operations, parts, a target inside a
     transform or called twice, another trace context, values that are not floats)."""
-    if spec.ops or not cutgrid.eligible(spec.keys, ()) or spec.clean_rest != spec.rest:
+    if spec.ops or not cutgrid.eligible(spec.keys, ()):
         return None
-    traced = targets.forward(dyn, spec.rest, spec.keys)
-    if traced is None:
+    forward = targets.forward(dyn, spec.rest, spec.keys, clean_dyn, spec.clean_rest)
+    if forward is None or forward.clean_flat is None:
         return None
-    closed, out_tree = traced
-    clean = cutgrid.values_at(closed, jax.tree.leaves(clean_dyn), spec.keys)
+    clean = cutgrid.values_at(forward.program, forward.clean_flat, spec.keys)
     if clean is None or not all(jnp.issubdtype(v.dtype, jnp.inexact) for v in clean.values()):
         return None
-    flat = jax.tree.leaves(dyn)
 
     def loss(deltas: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-        y, acts = cutgrid.with_deltas(closed, out_tree, flat, deltas)
+        y, acts = cutgrid.with_deltas(forward, deltas)
         return _scalar(metric(y)), acts
 
     zeros = {k: jnp.zeros_like(v) for k, v in clean.items()}

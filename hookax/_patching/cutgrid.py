@@ -38,7 +38,7 @@ from . import targets
 from .heads import patch_mask
 from .targets import cut_p
 
-__all__ = ["eligible", "rows"]
+__all__ = ["eligible", "marks", "rows", "trace", "values_at", "with_deltas"]
 
 
 def eligible(keys: Sequence[str], ops: Sequence[str]) -> bool:
@@ -72,32 +72,20 @@ def _mark_op(value: Any, op: Any) -> Any:
 
 
 def rows(
-    fn: Any,
-    args: tuple[Any, ...],
+    forward: targets.Forward,
     keys: tuple[str, ...],
-    ops: tuple[str, ...],
     values: dict[str, Any] | None,
     patches: tuple[Any, Any],
     axis: int,
     heads: int | None,
     metric: Callable[[Any], Any],
-    clean_args: tuple[Any, ...] | None = None,
-    traced: tuple[Any, Any, list[Any], list[Any] | None] | None = None,
 ) -> Any | None:
     """Every target's row (``[len(keys), n_patches, ...]``) for ``patches`` (``(columns,
     heads)``, either None, a leading axis on those given), or None where the program does not
-    have the shape this needs. ``values`` None: the targets' clean values are read from the
-    same traced forward run on ``clean_args`` (the clean run's inputs; the model is ``fn``'s).
-    ``traced``: the forward already traced with every call site marked (``targets.discover``'s:
-    program, output tree, its inputs for the corrupted run and for the clean run, or None
-    where the clean inputs do not fit it), used instead of tracing ``fn`` again."""
-    if traced is not None:
-        closed, out_tree, flat, clean_flat = traced
-    else:
-        got = _trace(fn, args, keys, ops)
-        if got is None:
-            return None
-        closed, out_tree, flat, clean_flat = (*got, _flat_like(clean_args, args))
+    have the shape this needs. ``forward``: the forward with the targets marked
+    (``targets.forward``'s, or :func:`trace`'s). ``values`` None: the targets' clean values are
+    read from that forward run on its clean inputs."""
+    closed, out_tree, flat, clean_flat = forward
     jaxpr, consts = closed_parts(closed)
     at = marks(jaxpr, keys)
     if at is None:
@@ -180,12 +168,11 @@ def values_at(closed: Any, flat: list[Any], keys: Sequence[str]) -> dict[str, An
     return {k: got[k] for k in keys}
 
 
-def with_deltas(
-    closed: Any, out_tree: Any, flat: list[Any], deltas: dict[str, Any]
-) -> tuple[Any, dict[str, Any]]:
-    """``(output, marked values)`` of one run of ``closed`` on ``flat`` with ``deltas[key]``
-    added to the value marked ``key``: the gradient with respect to a delta is the
-    gradient with respect to that value."""
+def with_deltas(forward: targets.Forward, deltas: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """``(output, marked values)`` of one run of ``forward`` on its (corrupted) inputs with
+    ``deltas[key]`` added to the value marked ``key``: the gradient with respect to a delta is
+    the gradient with respect to that value."""
+    closed, out_tree, flat, _ = forward
     jaxpr, consts = closed_parts(closed)
     got: dict[str, Any] = {}
 
@@ -200,11 +187,15 @@ def with_deltas(
     return jax.tree.unflatten(out_tree, outs), got
 
 
-def _trace(
-    fn: Any, args: tuple[Any, ...], keys: tuple[str, ...], ops: tuple[str, ...]
-) -> tuple[Any, Any, list[Any]] | None:
-    """``fn(*args)`` traced with the targets marked: ``(program, output tree, its inputs)``,
-    or None where it cannot be traced so."""
+def trace(
+    fn: Any,
+    args: tuple[Any, ...],
+    keys: tuple[str, ...],
+    ops: tuple[str, ...],
+    clean_args: tuple[Any, ...] | None = None,
+) -> targets.Forward | None:
+    """``fn(*args)`` traced with the targets marked (the clean run's inputs ``clean_args``,
+    where they have the structure of ``args``), or None where it cannot be traced so."""
     flat, in_tree = jax.tree.flatten(args)
     sites = [k for k in keys if k not in ops]
 
@@ -220,15 +211,11 @@ def _trace(
         closed, shape = jax.make_jaxpr(forward, return_shape=True)(*flat)
     except Exception:  # a model this cannot trace so: the grid as before, which says why
         return None
-    return closed, jax.tree.structure(shape), flat
-
-
-def _flat_like(clean_args: Any, args: Any) -> list[Any] | None:
-    """The clean inputs flat, where they have the corrupted inputs' structure."""
-    if clean_args is None:
-        return None
-    clean_flat, clean_tree = jax.tree.flatten(clean_args)
-    return clean_flat if clean_tree == cast(Any, jax.tree.structure(args)) else None
+    clean_flat = None
+    if clean_args is not None:
+        leaves, clean_tree = jax.tree.flatten(clean_args)
+        clean_flat = leaves if clean_tree == cast(Any, in_tree) else None
+    return targets.Forward(closed, jax.tree.structure(shape), flat, clean_flat)
 
 
 def _nested_cut(jaxpr: Any, keys: set[str]) -> bool:

@@ -108,28 +108,17 @@ def _grid(
     if values is None:
         dyn, clean_dyn = dyn
     if cutgrid.eligible(spec.keys, spec.ops):  # rows as suffixes of one traced forward
-        fn, args = compiled.join(dyn, spec.rest)
-        clean_args = None if clean_dyn is None else compiled.join(clean_dyn, spec.clean_rest)[1]
-        traced = None
-        # the forward the targets were found in, its call sites marked
-        found = None if spec.ops else targets.forward(dyn, spec.rest, spec.keys)
-        if found is not None:
-            same = clean_dyn is not None and spec.clean_rest == spec.rest
-            clean_flat = jax.tree.leaves(clean_dyn) if same else None
-            traced = (*found, jax.tree.leaves(dyn), clean_flat)
-        got = cutgrid.rows(
-            fn,
-            args,
-            spec.keys,
-            spec.ops,
-            values,
-            patches,
-            spec.axis,
-            spec.heads,
-            metric,
-            clean_args,
-            traced,
-        )
+        # the forward the targets were found in (every call site marked), or traced here
+        forward = None
+        if not spec.ops:
+            forward = targets.forward(dyn, spec.rest, spec.keys, clean_dyn, spec.clean_rest)
+        if forward is None:
+            fn, args = compiled.join(dyn, spec.rest)
+            clean_args = None if clean_dyn is None else compiled.join(clean_dyn, spec.clean_rest)[1]
+            forward = cutgrid.trace(fn, args, spec.keys, spec.ops, clean_args)
+        got = None
+        if forward is not None:
+            got = cutgrid.rows(forward, spec.keys, values, patches, spec.axis, spec.heads, metric)
         if got is not None:
             return got
     if values is None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import difflib
 import functools
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +36,17 @@ from .._util.specs import Shown, describe, describe_flat
 from . import compiled
 from .patch import PatchError, position_mask, split_input
 
-__all__ = ["Target", "columns", "cut_p", "discover", "expand", "forward", "selector", "where_keys"]
+__all__ = [
+    "Forward",
+    "Target",
+    "columns",
+    "cut_p",
+    "discover",
+    "expand",
+    "forward",
+    "selector",
+    "where_keys",
+]
 
 Target = tuple[str, str, bool]  # (path glob, method, whether the call's input is the target)
 _SHAPES: dict[Any, Found] = {}
@@ -174,10 +184,26 @@ def discover(dyn: list[Any], rest: Any) -> Found:
     return found
 
 
-def forward(dyn: list[Any], rest: Any, keys: tuple[str, ...]) -> tuple[Any, Any] | None:
-    """``(program, output tree)`` of ``fn(*args)`` as :func:`discover` traced it
-    (:attr:`Found.forward`), where it was traced in this trace context and no call of the
-    call sites ``keys`` name ran inside a transform (unmarked); else None."""
+class Forward(NamedTuple):
+    """A traced forward with its targets marked (``cut_p``), and what to run it on."""
+
+    program: Any  # a closed jaxpr
+    out_tree: Any
+    flat: list[Any]  # its inputs for the corrupted run
+    clean_flat: list[Any] | None  # ... for the clean run; None where not known or not fitting
+
+
+def forward(
+    dyn: list[Any],
+    rest: Any,
+    keys: Sequence[str],
+    clean_dyn: list[Any] | None = None,
+    clean_rest: Any = None,
+) -> Forward | None:
+    """``fn(*args)`` as :func:`discover` traced it (:attr:`Found.forward`), where it was traced
+    in this trace context and no call of the call sites ``keys`` name ran inside a transform
+    (unmarked); else None. ``clean_dyn, clean_rest``: the clean run's, as :func:`compiled.split`
+    cuts them (its inputs where its rest is ``rest``)."""
     found = _SHAPES.get((rest, compiled.avals(dyn)))
     if found is None or found.forward is None:
         return None
@@ -188,7 +214,10 @@ def forward(dyn: list[Any], rest: Any, keys: tuple[str, ...]) -> tuple[Any, Any]
         same = bool(context == trace_context())
     except Exception:  # a context value that does not compare
         same = False
-    return (closed, tree) if same else None
+    if not same:
+        return None
+    fits = clean_dyn is not None and clean_rest == rest
+    return Forward(closed, tree, jax.tree.leaves(dyn), jax.tree.leaves(clean_dyn) if fits else None)
 
 
 def _spec(value: Any) -> Any:

@@ -26,12 +26,10 @@ def _runs(rest: Any, clean_rest: Any, metric: Any, dyn: Any, clean_dyn: Any, mdy
     from . import compiled, cutgrid, targets
 
     m = compiled.join(mdyn, metric)
-    found = targets.forward(dyn, rest, ()) if clean_rest == rest else None
-    if found is not None:  # the forward traced when the targets were found: no trace here
-        closed, tree = found
-        clean, corrupted = (
-            cutgrid.with_deltas(closed, tree, jax.tree.leaves(d), {})[0] for d in (clean_dyn, dyn)
-        )
+    forward = targets.forward(dyn, rest, (), clean_dyn, clean_rest)
+    if forward is not None and forward.clean_flat is not None:  # found the targets: no trace
+        corrupted, _ = cutgrid.with_deltas(forward, {})
+        clean, _ = cutgrid.with_deltas(forward._replace(flat=forward.clean_flat), {})
         return m(clean), m(corrupted)
     (fn, args), (clean_fn, clean_args) = (
         compiled.join(d, r) for d, r in ((dyn, rest), (clean_dyn, clean_rest))
