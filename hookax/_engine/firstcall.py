@@ -9,8 +9,10 @@ static arguments, active hookax entries) it chooses:
 
 * ``"interpret"``: the traced program (``jax.jit(...).trace``: the same jaxpr the compiled
   program is built from) run with NumPy, operation by operation
-  (:mod:`hookax._engine.numpyeval`); the program is then compiled on a background thread, and
-  the next call uses it (waiting for that compile if it has not ended: nothing compiles twice);
+  (:mod:`hookax._engine.numpyeval`); the program is then compiled on a background thread once
+  hookax has been idle for :data:`IDLE_S` (no question being answered: a compile beside the
+  next question's trace would slow both, the two sharing Python), and the next call uses it
+  (starting or waiting for that compile if it has not ended: nothing compiles twice);
 * ``"compile"``: compiled now and run, as ``jax.jit`` does.
 
 :func:`first_call` sets the choice; ``"auto"`` (the default; ``HOOKAX_FIRST_CALL`` in the
@@ -30,6 +32,7 @@ import functools
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -49,6 +52,8 @@ __all__ = ["BYTE_LIMIT", "FLOP_LIMIT", "Program", "first_call", "program"]
 FLOP_LIMIT = 2e9
 #: ... and this many bytes of intermediate values (NumPy keeps each until the program ends).
 BYTE_LIMIT = 1 << 30
+#: A background compile starts once no hookax question has been answered for this many seconds.
+IDLE_S = 0.2
 MODES = ("auto", "interpret", "compile")
 _MODE: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "hookax_first_call", default=None
@@ -102,18 +107,71 @@ def _aval_key(x: Any) -> Any:
     return (a.shape, a.dtype, type(x))
 
 
+class _Idle:
+    """Whether hookax is answering a question (a program's call, a workflow's trace): background
+    compiles wait for it to have been idle for :data:`IDLE_S`."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._busy = 0
+        self._since = time.monotonic()
+        self.closing = False  # the interpreter is exiting: compiles not yet started are dropped
+
+    @contextlib.contextmanager
+    def working(self) -> Iterator[None]:
+        with self._cond:
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._busy -= 1
+                self._since = time.monotonic()
+                self._cond.notify_all()
+
+    def wait(self, now: threading.Event) -> None:
+        """Return once hookax has been idle for :data:`IDLE_S`, or ``now`` is set."""
+        with self._cond:
+            while not now.is_set() and not self.closing:
+                left = IDLE_S - (time.monotonic() - self._since)
+                if not self._busy and left <= 0:
+                    return
+                self._cond.wait(left if not self._busy and left > 0 else IDLE_S)
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        self.closing = True
+        self.wake()
+
+
+IDLE = _Idle()
+working = IDLE.working
+# Run when the interpreter starts to exit, before it joins the compile threads (a compile
+# nobody will use is not started; one under way ends first: see _Compiling).
+_at_exit = getattr(threading, "_register_atexit", None)
+if _at_exit is not None:
+    _at_exit(IDLE.close)
+
+
 class _Compiling:
     """The background compile of a program interpreted once."""
 
-    __slots__ = ("error", "jaxpr", "thread")
+    __slots__ = ("error", "jaxpr", "now", "thread")
 
     def __init__(self, traced: Any) -> None:
         self.error: BaseException | None = None
         self.jaxpr = traced.jaxpr
+        self.now = threading.Event()  # set: compile without waiting for hookax to be idle
         active = _context._ACTIVE_VALUE.value
 
         def run() -> None:
             try:
+                IDLE.wait(self.now)
+                if IDLE.closing:
+                    return
                 with _context.ACTIVE(active):
                     traced.lower().compile()
             except BaseException as e:  # the next call compiles in the foreground and raises
@@ -125,6 +183,8 @@ class _Compiling:
         self.thread.start()
 
     def wait(self) -> None:
+        self.now.set()
+        IDLE.wake()
         self.thread.join()
 
 
@@ -164,6 +224,10 @@ class Program:
     def __call__(self, *args: Any) -> Any:
         if not core.trace_state_clean():  # inside a transform of yours: part of your program
             return self.jitted(*args)
+        with working():
+            return self._call(*args)
+
+    def _call(self, *args: Any) -> Any:
         how = mode()
         with self._lock:
             self._pending = [p for p in self._pending if p.thread.is_alive()]

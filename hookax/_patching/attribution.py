@@ -91,17 +91,20 @@ def _from_forward(spec: _Spec, dyn: list[Any], clean_dyn: list[Any], metric: Any
     forward = targets.forward(dyn, spec.rest, spec.keys, clean_dyn, spec.clean_rest)
     if forward is None or forward.clean_flat is None:
         return None
-    clean = cutgrid.values_at(forward.program, forward.clean_flat, spec.keys)
-    if clean is None or not all(jnp.issubdtype(v.dtype, jnp.inexact) for v in clean.values()):
+    _, marked = cutgrid.delta_program(forward.program)
+    if not all(k in marked for k in spec.keys):
         return None
+    # Deltas at every float mark, not only the targets': the differentiated function is then
+    # the same for every question over this forward, and JAX's derivative of it is reused.
+    zeros = {k: jnp.zeros(a.shape, a.dtype) for k, a in marked.items()}
+    _, clean = cutgrid.with_deltas(forward._replace(flat=forward.clean_flat), zeros)
 
     def loss(deltas: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
         y, acts = cutgrid.with_deltas(forward, deltas)
         return _scalar(metric(y)), acts
 
-    zeros = {k: jnp.zeros_like(v) for k, v in clean.items()}
     (_, corrupt), grads = jax.value_and_grad(loss, has_aux=True)(zeros)
-    return tuple({k: (v,) for k, v in d.items()} for d in (clean, corrupt, grads))
+    return tuple({k: (d[k],) for k in spec.keys} for d in (clean, corrupt, grads))
 
 
 def _term(key: str, shape: tuple[int, ...], clean: Any, corrupt: Any, grad: Any) -> Any:

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 import jax
 import numpy as np
 
+from .._engine import firstcall
 from .._util import lift, nnxsplit
 from .._util.errors import HookaxError
 from .._util.fnkey import ById as _ById
@@ -181,7 +182,7 @@ def retrying(who: str, fns: tuple[Any, ...], run: Callable[[], T]) -> T:
     level = _LEVELS.get(codes, lift.INTS)
     while True:
         try:
-            with _level(level):
+            with _level(level), firstcall.working():
                 out = run()
         except HookaxError:
             raise

@@ -18,6 +18,8 @@ transform of the model) and each target runs once with one array as its value; o
 from __future__ import annotations
 
 import contextlib
+import weakref
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -38,7 +40,7 @@ from . import targets
 from .heads import patch_mask
 from .targets import cut_p
 
-__all__ = ["eligible", "marks", "rows", "trace", "values_at", "with_deltas"]
+__all__ = ["delta_program", "eligible", "marks", "rows", "trace", "with_deltas"]
 
 
 def eligible(keys: Sequence[str], ops: Sequence[str]) -> bool:
@@ -157,34 +159,58 @@ def marks(jaxpr: Any, keys: Sequence[str]) -> dict[str, int] | None:
     return at
 
 
-def values_at(closed: Any, flat: list[Any], keys: Sequence[str]) -> dict[str, Any] | None:
-    """The marked values of ``keys`` in one run of ``closed`` on ``flat`` (None: not marked
-    once each)."""
-    jaxpr, consts = closed_parts(closed)
-    if marks(jaxpr, keys) is None:
-        return None
-    got: dict[str, Any] = {}
-    _run(jaxpr, consts, flat, lambda key, v: got.setdefault(key, v))
-    return {k: got[k] for k in keys}
-
-
 def with_deltas(forward: targets.Forward, deltas: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """``(output, marked values)`` of one run of ``forward`` on its (corrupted) inputs with
     ``deltas[key]`` added to the value marked ``key``: the gradient with respect to a delta is
-    the gradient with respect to that value."""
-    closed, out_tree, flat, _ = forward
+    the gradient with respect to that value. The run is one ``jax.jit`` call of a function kept
+    with the program (:func:`delta_program`): traced once per set of deltas, and JAX's
+    derivatives of it (linearized and transposed) are cached with its program, so a second
+    gradient over the same forward differentiates the metric only."""
+    run, _ = delta_program(forward.program)
+    outs, got = run(forward.flat, deltas)
+    return jax.tree.unflatten(forward.out_tree, outs), got
+
+
+# A forward's program -> (its replay with deltas, the marks deltas may be added at)
+_DELTAS: weakref.WeakKeyDictionary[Any, tuple[Callable[..., Any], dict[str, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def delta_program(closed: Any) -> tuple[Callable[..., Any], dict[str, Any]]:
+    """``(run, marks)``: ``run(flat, deltas)`` is ``closed`` run on ``flat`` with ``deltas[key]``
+    added to the value marked ``key``, returning ``(outputs, {key: marked value})`` for the keys
+    of ``deltas``, as a ``jax.jit`` function kept while ``closed`` lives; ``marks``: each float
+    value marked once among the program's own operations, ``{key: its aval}``."""
+    got = _DELTAS.get(closed)
+    if got is not None:
+        return got
     jaxpr, consts = closed_parts(closed)
-    got: dict[str, Any] = {}
+    cuts = [e for e in jaxpr.eqns if e.primitive is cut_p]
+    seen = Counter(e.params["key"] for e in cuts)
+    marked = {
+        e.params["key"]: e.invars[0].aval
+        for e in cuts
+        if seen[e.params["key"]] == 1 and jnp.issubdtype(e.invars[0].aval.dtype, jnp.inexact)
+    }
+    nested = {k for k in marked if _nested_cut(jaxpr, {k})}
+    marked = {k: a for k, a in marked.items() if k not in nested}
 
-    def add(key: str, v: Any) -> Any:
-        if key not in deltas:
-            return v
-        got[key] = v
-        return v + deltas[key]
+    def replay(flat: list[Any], deltas: dict[str, Any]) -> tuple[list[Any], dict[str, Any]]:
+        values: dict[str, Any] = {}
 
-    env = _run(jaxpr, consts, flat, add)
-    outs = [_read(x, {}, env) for x in jaxpr.outvars]
-    return jax.tree.unflatten(out_tree, outs), got
+        def add(key: str, v: Any) -> Any:
+            if key not in deltas:
+                return v
+            values[key] = v
+            return v + deltas[key]
+
+        env = _run(jaxpr, consts, flat, add)
+        return [_read(x, {}, env) for x in jaxpr.outvars], values
+
+    got = (jax.jit(replay), marked)
+    _DELTAS[closed] = got
+    return got
 
 
 def trace(
