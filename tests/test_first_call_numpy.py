@@ -471,3 +471,77 @@ def test_a_new_question_does_not_wait_for_another_ones_compile(monkeypatch):
     gate.set()
     timer.cancel()
     _wait_for_background_compiles()
+
+
+def _held_compiles(monkeypatch):
+    """Background compiles that record when they start and wait for ``gate``."""
+    gate, started = threading.Event(), []
+    init = firstcall._Compiling.__init__
+
+    def held(self, traced):
+        class Held:
+            jaxpr = traced.jaxpr
+
+            @staticmethod
+            def lower():
+                started.append(time.perf_counter())
+                gate.wait()
+                return traced.lower()
+
+        init(self, Held())
+
+    monkeypatch.setattr(firstcall._Compiling, "__init__", held)
+    return gate, started
+
+
+def test_a_background_compile_waits_for_hookax_to_be_idle(monkeypatch):
+    gate, started = _held_compiles(monkeypatch)
+    monkeypatch.setattr(firstcall, "IDLE_S", 0.5)
+    model, clean, corrupt = _gpt(batch=6)  # shapes no other test uses: a new question
+    try:
+        with hx.first_call("interpret"):
+            with firstcall.working():  # a question being answered (a workflow's trace)
+                WORKFLOWS["resid grid"](model, clean, corrupt)
+                time.sleep(1.0)
+                assert started == []  # not while hookax works
+            ended = time.perf_counter()
+            deadline = ended + 60
+            while not started and time.perf_counter() < deadline:
+                time.sleep(0.05)
+        assert started and started[0] - ended >= 0.45  # once idle for IDLE_S
+    finally:
+        gate.set()
+        _wait_for_background_compiles()
+
+
+def test_a_program_called_again_starts_its_compile_and_runs_with_numpy_meanwhile(monkeypatch):
+    gate, started = _held_compiles(monkeypatch)
+    monkeypatch.setattr(firstcall, "IDLE_S", 3600.0)  # idle never comes in this test
+    timer = threading.Timer(60, gate.set)  # a call that waited would end only then
+    timer.start()
+    model, clean, corrupt = _gpt(batch=7)
+    fn = WORKFLOWS["resid grid"]
+    before = _interpreted()
+    try:
+        with hx.first_call("interpret"):
+            first = _values(fn(model, clean, corrupt))
+            assert started == []
+            t = time.perf_counter()
+            second = _values(fn(model, clean, corrupt))  # its compile is held: not waited for
+            assert time.perf_counter() - t < 30 and _interpreted() == before + 2
+            deadline = time.perf_counter() + 60
+            while not started and time.perf_counter() < deadline:
+                time.sleep(0.05)
+            assert len(started) == 1  # started by the second call, not a second compile
+            gate.set()
+            _wait_for_background_compiles()
+            with compiles() as names:
+                third = _values(fn(model, clean, corrupt))  # the compiled program
+    finally:
+        timer.cancel()
+        gate.set()
+        _wait_for_background_compiles()
+    assert [n for n in names if n in PROGRAMS] == [] and _interpreted() == before + 2
+    for a, b, c in zip(first, second, third, strict=True):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_allclose(a, c, rtol=1e-5, atol=1e-6 * (float(np.abs(c).max()) or 1.0))

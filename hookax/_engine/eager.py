@@ -250,7 +250,9 @@ def program_of(closed: Any, name: str) -> Any:
             return eval_jaxpr(jaxpr, c, *a)
 
         body.__name__ = body.__qualname__ = f"{name}_body"
-        run = _BODIES[key] = jax.jit(body)
+        from . import firstcall
+
+        run = _BODIES[key] = firstcall.Program(body, ())
 
     def call(*args: Any) -> Any:
         with _at_defaults():

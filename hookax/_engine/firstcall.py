@@ -11,8 +11,9 @@ static arguments, active hookax entries) it chooses:
   program is built from) run with NumPy, operation by operation
   (:mod:`hookax._engine.numpyeval`); the program is then compiled on a background thread once
   hookax has been idle for :data:`IDLE_S` (no question being answered: a compile beside the
-  next question's trace would slow both, the two sharing Python), and the next call uses it
-  (starting or waiting for that compile if it has not ended: nothing compiles twice);
+  next question's trace would slow both, the two sharing Python). A call of the same program
+  starts that compile at once and, until it ends, runs with NumPy again; the calls after it use
+  the compiled program (nothing compiles twice);
 * ``"compile"``: compiled now and run, as ``jax.jit`` does.
 
 :func:`first_call` sets the choice; ``"auto"`` (the default; ``HOOKAX_FIRST_CALL`` in the
@@ -182,9 +183,13 @@ class _Compiling:
         self.thread = threading.Thread(target=run, name="hookax-compile", daemon=False)
         self.thread.start()
 
-    def wait(self) -> None:
+    def start(self) -> None:
+        """Compile now, without waiting for hookax to be idle."""
         self.now.set()
         IDLE.wake()
+
+    def wait(self) -> None:
+        self.start()
         self.thread.join()
 
 
@@ -239,9 +244,17 @@ class Program:
             finally:
                 self._local.probe = None
             if not self._local.new:
-                for p in pending:
-                    if p.jaxpr is traced.jaxpr:
-                        p.wait()  # its compile, not a second one
+                # Called again: its compile starts now (a program asked for twice is asked
+                # for more), and until it ends the call runs with NumPy again.
+                mine = [p for p in pending if p.jaxpr is traced.jaxpr]
+                for p in mine:
+                    p.start()
+                if mine and how != "compile":
+                    out = self._interpret(traced, self._leaves(args), how)
+                    if out is not None:
+                        return out
+                for p in mine:
+                    p.wait()  # its compile, not a second one
                 return self.jitted(*args)
             if how == "compile":
                 return self.jitted(*args)
@@ -256,13 +269,15 @@ class Program:
             finally:
                 self._local.probe = None
             traced = self.jitted.trace(*args)
-        leaves = jax.tree.leaves(tuple(a for i, a in enumerate(args) if i not in self.static))
-        out = self._interpret(traced, leaves, how)
+        out = self._interpret(traced, self._leaves(args), how)
         if out is None:
             return self.jitted(*args)
         with self._lock:
             self._pending.append(_Compiling(traced))
         return out
+
+    def _leaves(self, args: tuple[Any, ...]) -> list[Any]:
+        return jax.tree.leaves(tuple(a for i, a in enumerate(args) if i not in self.static))
 
     def _interpret(self, traced: Any, leaves: list[Any], how: str) -> Any | None:
         jaxpr, consts = jaxcompat.closed_parts(traced.jaxpr)
