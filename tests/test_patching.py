@@ -624,6 +624,61 @@ def test_finding_targets_leaves_a_constant_input_concrete() -> None:
     close(hx.attribution_patch(*args, where=keys), ATTRIBUTION)
 
 
+class _JaxInside(nnx.Module):
+    """A model that calls JAX's own jitted functions (``jnp.where``, ``jnp.cumsum``) and a
+    function of the user's under ``jax.jit`` that calls a module."""
+
+    def __init__(self) -> None:
+        self.inner = nnx.Linear(V, V, rngs=nnx.Rngs(3))
+        self.model = NModel()
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = self.model(jnp.where(x > 0, x, 0.5 * x))
+
+        @jax.jit
+        def mine(y: jax.Array) -> jax.Array:
+            return self.inner(jax.nn.gelu(y))
+
+        return mine(y)
+
+
+def _jit_programs(closed: Any) -> dict[str, Any]:
+    """``{name: program}`` of the ``jax.jit`` calls in ``closed``, inner ones too."""
+    out: dict[str, Any] = {}
+
+    def walk(jaxpr: Any) -> None:
+        for eqn in jaxpr.eqns:
+            if "jaxpr" in eqn.params and "name" in eqn.params:
+                out.setdefault(eqn.params["name"], eqn.params["jaxpr"])
+            inner = eqn.params.get("jaxpr")
+            if inner is not None:
+                walk(getattr(inner, "jaxpr", inner))
+
+    walk(closed.jaxpr)
+    return out
+
+
+def test_finding_targets_reuses_the_traces_of_jax_own_functions() -> None:
+    """Finding a model's call sites traces JAX's own jitted functions as its plain trace did
+    (JAX's trace cache), not again under the finder's own key; a function of the user's is
+    traced with it, and the call site inside it is found."""
+    from hookax._patching import compiled, targets
+
+    model = _JaxInside()
+    x = CLEAN
+    jax.make_jaxpr(model)(x)  # what a plain run traces (and JAX caches)
+    dyn, rest = compiled.split((model, (x,)))
+    found = targets.discover(dyn, rest)
+    assert found.forward is not None
+    plain, mine = _jit_programs(jax.make_jaxpr(model)(x)), _jit_programs(found.forward[0])
+    assert {"_where", "mine"} <= set(plain) and set(plain) <= set(mine)
+    for name in set(plain) - {"mine"}:  # JAX's own: the program the plain trace made
+        assert mine[name] is plain[name], name
+    assert mine["mine"] is not plain["mine"]  # the user's: traced with the finder's key
+    assert "inner" in found and "inner" in found.nested  # found inside the user's jit
+    assert {f"model/layers/{i}" for i in range(L)} <= set(found) - found.nested
+
+
 def test_attribution_positions_and_masks_give_the_same_layout() -> None:
     model = NModel()
     args = (model, (CLEAN,), (CORRUPT,), metric)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._engine.eager import jax_functions_at_defaults
 from .._engine.select import (
     CALL_ONLY,
     Select,
@@ -170,7 +171,7 @@ def discover(dyn: list[Any], rest: Any) -> Found:
     def run(dyn: list[Any]) -> Any:
         top[:] = [core.trace_ctx.trace]
         f, a = compiled.join(dyn, rest)
-        with intercept(record):
+        with jax_functions_at_defaults(), intercept(record):
             return f(*a)
 
     context = trace_context()
