@@ -210,3 +210,37 @@ def test_one_layer_selection(data: Any) -> None:
     assert found is not None and (found.phase, found.before) == ("loss", "blocks/lin[0]")
     found = hx.find_nonfinite(mse, model, x, y, where="blocks/lin[2]")
     assert found is not None and (found.key, found.layer) == ("blocks/lin", 2)
+
+
+@pytest.mark.parametrize("how", ["interpret", "compile"])
+def test_a_first_call_run_with_numpy_names_the_same_call_sites(how: str, data: Any) -> None:
+    """``hx.first_call("interpret")`` runs a new step's first call with NumPy (compiled in the
+    background): the same answers as the compiled step, NaN made forward, backward, in a
+    scanned layer, and none."""
+    from hookax._diagnostics import nonfinite
+
+    x, y = 2 * data[0], data[1] + 1  # shapes of the other tests, values of this one
+    forward, backward, clean = MLP(nnx.Rngs(0)), MLP(nnx.Rngs(0)), MLP(nnx.Rngs(0))
+    forward.layers[1].lin.kernel[0, 0] = jnp.nan
+    backward.layers[1].poison[...] = jnp.ones(())
+    scanned = Stack(n=4)
+    scanned.blocks.lin.kernel[2, 0, 0] = jnp.inf
+
+    def loss(model: Any, x: jax.Array, y: jax.Array) -> jax.Array:  # a step no test compiled
+        return jnp.mean(jnp.abs(model(x) - y))
+
+    step = nonfinite._step(False)
+    before = step.interpreted
+    with hx.first_call(how):
+        got = [hx.find_nonfinite(loss, m, x, y) for m in (forward, backward, scanned, clean)]
+    assert [(f.phase, f.label) for f in got[:3] if f is not None] == [
+        ("forward", "layers/1/lin"),
+        ("backward", "layers/1/lin"),
+        ("forward", "blocks/lin[2]"),
+    ]
+    assert got[0] is not None and got[0].count == x.shape[0]
+    assert got[3] is None
+    # The MLP's and the stack's first calls (a call of the MLP's step before its compile ends
+    # runs with NumPy too)
+    ran = step.interpreted - before
+    assert ran >= 2 if how == "interpret" else ran == 0

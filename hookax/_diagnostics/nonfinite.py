@@ -20,6 +20,7 @@ import numpy as np
 
 from .._capture import actgrad as _actgrad
 from .._capture import capture as _capture
+from .._engine import firstcall
 from .._engine.select import Where
 from .._patching import compiled
 from .._util import nnxsplit
@@ -222,6 +223,8 @@ def find_nonfinite(
     compiled copy). The compiled step is kept: calling again with the same loss function
     (functions compared by code and closure, as ``hx.intercept`` compares them) and arguments of
     the same structure and shapes runs it without tracing again, so a NaN hunt pays one compile.
+    On a small model, the first call of a new step runs with NumPy while the step compiles in
+    the background (`hx.first_call`; not for Equinox models).
 
     A call site whose output does not reach the loss is seen in the forward pass only if the
     backward pass runs its rule, which JAX skips for it: select the loss's call sites.
@@ -323,7 +326,8 @@ def _make_step(equinox: bool) -> Any:
         import equinox as eqx
 
         return eqx.filter_jit(_run_step)
-    return jax.jit(_run_step, static_argnums=0)
+    # jax.jit whose first call of a small step runs with NumPy (hx.first_call)
+    return firstcall.Program(_run_step, (0,))
 
 
 def _first(sites: list[_Site], loss: float, grads: Any) -> Nonfinite | None:
