@@ -283,6 +283,8 @@ class Program:
         jaxpr, consts = jaxcompat.closed_parts(traced.jaxpr)
         if len(jaxpr.invars) != len(leaves) or numpyeval.unsupported(jaxpr) is not None:
             return None
+        if any(isinstance(x, core.Tracer) for x in leaves):  # a value of some trace's: no
+            return None
         if how == "auto" and not small(jaxpr):
             return None
         outs = numpyeval.evaluate(jaxpr, consts, leaves)
