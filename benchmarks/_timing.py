@@ -53,3 +53,13 @@ def table(rows: list[tuple[str, ...]], header: tuple[str, ...]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths))  # noqa: E731
     return "\n".join([line(header), line(tuple("-" * w for w in widths))] + [line(r) for r in rows])
+
+
+def compiled_programs() -> None:
+    """Wait for the compiles hookax runs in the background (programs whose first call ran with
+    NumPy), so the calls timed next run the compiled programs."""
+    import threading
+
+    for thread in threading.enumerate():
+        if thread.name == "hookax-compile":
+            thread.join()  # it starts once hookax has been idle for firstcall.IDLE_S

@@ -116,6 +116,27 @@ def test_arithmetic_and_jnp_functions_give_plain_arrays(grid: Any) -> None:
     assert grid.tolist() == v.tolist()
 
 
+def test_jnp_functions_on_each_new_grid_compile_nothing_new(model: NModel) -> None:
+    """A grid's labels and metric runs are static data of its pytree, new for each grid; JAX's
+    own functions are given its array, so a new grid is not a new program for them."""
+    from .test_new_data import compiles
+
+    first, second = (
+        hx.patch_grid(model, (CLEAN + i,), (CORRUPT,), metric, where="layers/*") for i in (1, 2)
+    )
+
+    def post(g: Any) -> list[Any]:
+        return [jnp.swapaxes(g, 0, 1), jnp.abs(g), jnp.max(g, axis=1), jnp.where(g > 0, g, 0)]
+
+    post(first)
+    with compiles() as names:
+        got = post(second)
+    assert names == []
+    for a, b in zip(got, post(second.values), strict=True):
+        assert not isinstance(a, hx.LabelledArray)
+        np.testing.assert_array_equal(a, b)
+
+
 def test_under_jit_labels_are_static(model: NModel, grid: Any) -> None:
     @jax.jit
     def inside(model: Any, clean: Any, corrupt: Any) -> Any:

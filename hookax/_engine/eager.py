@@ -185,9 +185,27 @@ class jax_functions_at_defaults:
         _LOCAL.plain = self._was
 
 
+#: hookax's results that hold one array and are pytrees whose static data is new for each
+#: result (``hx.LabelledArray``: labels, the metric's runs). JAX's own ``jax.jit`` functions
+#: read them as their array, so they are given the array: a new result is not a new program
+#: (``jnp.swapaxes(grid, 0, 1)`` traced and compiled once, not once per grid).
+ARRAY_HOLDERS: list[type[Any]] = []
+
+
+def _arrays_of(args: Any, kwargs: Any) -> tuple[Any, Any]:
+    kinds = tuple(ARRAY_HOLDERS)
+    if not any(isinstance(a, kinds) for a in (*args, *kwargs.values())):
+        return args, kwargs
+    args = tuple(a.values if isinstance(a, kinds) else a for a in args)
+    kwargs = {k: v.values if isinstance(v, kinds) else v for k, v in kwargs.items()}
+    return args, kwargs
+
+
 def _traces(original: Any) -> Any:
     @functools.wraps(original)
     def _infer_params(fun: Any, ji: Any, args: Any, kwargs: Any) -> Any:
+        if ARRAY_HOLDERS and _from_jax(fun):
+            args, kwargs = _arrays_of(args, kwargs)
         if getattr(_LOCAL, "plain", False) and _from_jax(fun) and _jax_args(args, kwargs):
             with _at_defaults():
                 return original(fun, ji, args, kwargs)

@@ -42,6 +42,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._engine import eager as _eager
 from .._util import jaxcompat
 from .unpatched import Unpatched
 
@@ -97,6 +98,7 @@ class LabelledArray(jax.Array):
         title: str = "",
         unpatched: Unpatched | None = None,
     ) -> None:
+        _eager.install()  # JAX's own functions given the array (ARRAY_HOLDERS)
         self.values = values
         self.axes = tuple(axes)
         self.labels: Labels = tuple(None if ls is None else tuple(map(str, ls)) for ls in labels)
@@ -322,6 +324,7 @@ def _aval(x: LabelledArray) -> Any:
 
 
 jaxcompat.register_aval(LabelledArray, _aval)
+_eager.ARRAY_HOLDERS.append(LabelledArray)  # jnp.abs(grid): the array's program, every grid
 
 
 def _rebuild(
