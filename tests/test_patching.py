@@ -661,7 +661,21 @@ def _jit_programs(closed: Any) -> dict[str, Any]:
 def test_finding_targets_reuses_the_traces_of_jax_own_functions() -> None:
     """Finding a model's call sites traces JAX's own jitted functions as its plain trace did
     (JAX's trace cache), not again under the finder's own key; a function of the user's is
-    traced with it, and the call site inside it is found."""
+    traced with it, and the call site inside it is found. In a fresh interpreter: JAX's trace
+    cache and hookax's keys as a session has them, not as earlier tests left them."""
+    import pathlib
+    import subprocess
+    import sys
+
+    code = "from tests.test_patching import _reuse_check; _reuse_check()"
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _reuse_check() -> None:
     from hookax._patching import compiled, targets
 
     model = _JaxInside()
