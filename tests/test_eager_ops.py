@@ -9,7 +9,6 @@ entries (hooked inside a block, plain after it).
 
 import subprocess
 import sys
-import threading
 
 import equinox as eqx
 import flax.linen as nn
@@ -23,6 +22,7 @@ import hookax as hx
 from hookax._engine import eager
 
 from .parity.nnx_gpt import GPT, NAMES
+from .test_first_call_numpy import _wait_for_background_compiles
 from .test_new_data import compiles
 
 X = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 4)), jnp.float32)
@@ -120,12 +120,6 @@ def test_a_gpt_capture_of_every_site_compiles_nothing_new():
     for key in expected:  # NumPy's softmax (first), XLA's (now): equal to float rounding
         np.testing.assert_allclose(pattern[key], expected[key], rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(pattern[key], named[key], rtol=1e-6, atol=1e-7)
-
-
-def _wait_for_background_compiles():
-    for thread in threading.enumerate():
-        if thread.name == "hookax-compile":
-            thread.join()
 
 
 def test_a_registered_hook_compiles_nothing_the_model_ran():
