@@ -117,9 +117,10 @@ def test_a_gpt_capture_of_every_site_compiles_nothing_new():
     assert names == []
     with jax.disable_jit():
         expected = NAMES.capture(m, "pattern")(tokens)[1]
-    for key in expected:  # NumPy's softmax (first), XLA's (now): equal to float rounding
+    for key in expected:  # XLA's softmax (now) and the op-by-op reference: float rounding
         np.testing.assert_allclose(pattern[key], expected[key], rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(pattern[key], named[key], rtol=1e-6, atol=1e-7)
+        # NumPy's (the first call: the softmax and operations before it new to JAX's caches)
+        np.testing.assert_allclose(pattern[key], named[key], rtol=1e-5, atol=1e-6)
 
 
 def test_a_registered_hook_compiles_nothing_the_model_ran():

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from .._engine import adapters as _adapters
+from .._engine import eager as _eager
 from .._engine.select import Where
 from .._transforms import tags as _tags
 from .._util.errors import HookaxError
@@ -283,7 +284,21 @@ def _differentiate(
     args: tuple[Any, ...],
     perturbs: Any,
 ) -> tuple[Any, Any]:
-    """``(value, gradients)`` of ``inner`` for ``nums_pos`` and the perturbations (last)."""
+    """``(value, gradients)`` of ``inner`` for ``nums_pos`` and the perturbations (last).
+    Called eagerly, the programs JAX runs (the forward's and the backward pass's operations)
+    run with NumPy the first time (``hookax._engine.eager.eager_workflow``)."""
+    with _eager.eager_workflow():
+        return _differentiate_now(inner, mode, nums_pos, has_aux, args, perturbs)
+
+
+def _differentiate_now(
+    inner: Callable[..., Any],
+    mode: Any,
+    nums_pos: tuple[int, ...],
+    has_aux: bool,
+    args: tuple[Any, ...],
+    perturbs: Any,
+) -> tuple[Any, Any]:
     if mode == "equinox":
         return _eqx_value_and_grad(inner, nums_pos, has_aux, args, perturbs)
     if mode:

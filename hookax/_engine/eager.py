@@ -33,6 +33,7 @@ primitives) keep the entries. Nothing changes while no entry is active and no ho
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -42,12 +43,14 @@ import jax
 
 from .._util import jaxcompat as _jaxcompat
 from . import context as _context
+from . import firstcall as _firstcall
 
-__all__ = ["install", "jax_functions_at_defaults", "program_of"]
+__all__ = ["eager_workflow", "install", "jax_functions_at_defaults", "program_of"]
 
 _ACTIVE = _context._ACTIVE_VALUE
 _REGISTERED = _context.REGISTERED._obj
 _LOCK = threading.Lock()
+_LOCAL = threading.local()
 _INSTALLED: list[Any] = []
 
 
@@ -89,8 +92,13 @@ class _Operation:
         self.fun = fun
 
     def __call__(self, *args: Any) -> Any:
-        with _at_defaults():
-            return self.fun(*args)
+        was = getattr(_LOCAL, "op", False)
+        _LOCAL.op = True  # for _programs: hookax is active around this eager operation
+        try:
+            with _at_defaults():
+                return self.fun(*args)
+        finally:
+            _LOCAL.op = was
 
 
 def _operations(original: Any) -> Any:
@@ -107,10 +115,20 @@ def _operations(original: Any) -> Any:
 def _programs(original: Any) -> Any:
     @functools.wraps(original)
     def _pjit_call_impl_python(*args: Any, **params: Any) -> Any:
-        if _idle() or _jaxcompat.closed_parts(params["jaxpr"])[0].effects:
+        op = getattr(_LOCAL, "op", False)
+        region = getattr(_LOCAL, "workflow", False)
+        idle = _idle() and not op
+        if (idle and not region) or _jaxcompat.closed_parts(params["jaxpr"])[0].effects:
             return original(*args, **params)
-        with _at_defaults():
-            return original(*args, **params)
+        _LOCAL.op = _LOCAL.workflow = False
+        try:
+            with contextlib.nullcontext() if idle else _at_defaults():
+                quick = _firstcall.OPS.first(original, args, params)
+                if quick is not None:
+                    return quick
+                return original(*args, **params)
+        finally:
+            _LOCAL.op, _LOCAL.workflow = op, region
 
     return _pjit_call_impl_python
 
@@ -164,7 +182,20 @@ def _same(p: Any, q: Any) -> bool:
     return str(p.params["jaxpr"]) == str(q.params["jaxpr"])
 
 
-_LOCAL = threading.local()
+class eager_workflow:
+    """A block in which a hookax workflow runs the user's code eagerly (``hx.value_and_grad``
+    called outside ``jax.jit``): its programs, hookax's entries active or not (JAX's backward
+    pass runs after the forward's entries are gone), run with NumPy on their first call
+    (:data:`~.firstcall.OPS`)."""
+
+    __slots__ = ("_was",)
+
+    def __enter__(self) -> None:
+        self._was = getattr(_LOCAL, "workflow", False)
+        _LOCAL.workflow = True
+
+    def __exit__(self, *exc: Any) -> None:
+        _LOCAL.workflow = self._was
 
 
 class jax_functions_at_defaults:

@@ -34,6 +34,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -138,6 +139,11 @@ class _Idle:
                 if not self._busy and left <= 0:
                     return
                 self._cond.wait(left if not self._busy and left > 0 else IDLE_S)
+
+    def touch(self) -> None:
+        """hookax did something just now (an eager operation run with NumPy)."""
+        with self._cond:
+            self._since = time.monotonic()
 
     def wake(self) -> None:
         with self._cond:
@@ -293,11 +299,11 @@ class Program:
         return jax.tree.unflatten(traced.out_tree, arrays)
 
 
-def _array(x: Any, aval: Any) -> Any:
-    """A result as the compiled program gives it: a ``jax.Array``, weakly typed where the
-    program's result is (later operations on it then hit the caches the compiled results
-    fill)."""
-    out = jax.device_put(np.asarray(x))
+def _array(x: Any, aval: Any, device: Any = None) -> Any:
+    """A result as the compiled program gives it: a ``jax.Array`` (committed to ``device`` when
+    given), weakly typed where the program's result is (later operations on it then hit the
+    caches the compiled results fill)."""
+    out = jax.device_put(np.asarray(x), device)
     if getattr(aval, "weak_type", False):
         try:
             from jax._src import array as _array_impl
@@ -332,3 +338,238 @@ def program(static_argnums: int | tuple[int, ...] = ()) -> Callable[[Callable[..
     ``@functools.partial(jax.jit, static_argnums=0)``."""
     static = (static_argnums,) if isinstance(static_argnums, int) else tuple(static_argnums)
     return lambda fn: Program(fn, static)
+
+
+# --- Eager operations --------------------------------------------------------------------------
+#
+# Code run eagerly while hookax is active (``hx.value_and_grad``, ``hx.capture`` or
+# ``hx.intercept`` around a model called outside ``jax.jit``) runs each primitive as a
+# one-operation program, and each of JAX's own ``jax.jit`` functions as its program, compiled on
+# first use with each new set of shapes: a 3-layer GPT's first eager ``hx.value_and_grad``
+# compiled 144 of them (4 s), for a computation that takes 0.25 s once they are compiled. Under
+# "auto" (and "interpret"), such a program's first call runs with NumPy while it is compiled on
+# one background thread (waiting, as programs do, for hookax to be idle); later calls of a
+# program still compiling run with NumPy again and hurry the compiles; the call after its
+# compile is JAX's own (the compile found in JAX's caches).
+
+#: An eager operation runs with NumPy first only up to these matmul FLOPs and bytes of values
+#: (XLA compiles a one-operation program in 10-30 ms on the benchmarks' CPU).
+OP_FLOP_LIMIT = 5e7
+OP_BYTE_LIMIT = 1 << 25
+_CHECKS_VALUES = jaxcompat.config.debug_nans
+_CHECKS_INFS = jaxcompat.config.debug_infs
+
+
+class _OpCompile:
+    """An eager operation's compile: JAX's own compile-and-run of it, on the compile thread."""
+
+    __slots__ = ("args", "config", "done", "original", "params")
+
+    def __init__(self, original: Callable[..., Any], args: tuple[Any, ...], params: Any) -> None:
+        self.original, self.args, self.params = original, args, params
+        self.config = _local_config()  # JAX's caches are keyed by the caller's trace context
+        self.done = False
+
+    def run(self) -> None:
+        args, params, config = self.args, self.params, self.config
+        self.args, self.params, self.config = (), None, []
+        try:
+            with _config_as(config):
+                self.original(*args, **params)  # fills the lowering and compile caches
+        except BaseException:  # the next call compiles in the foreground and raises there
+            pass
+        finally:
+            self.done = True
+
+
+@functools.cache
+def _configs() -> tuple[Any, ...]:
+    """JAX's configuration states (its flags, its context managers' states) and hookax's keys:
+    what a trace context is made of, but the trace state itself."""
+    from jax._src import config as jc
+
+    kind = type(jc.abstract_mesh_context_manager)
+    found: dict[int, Any] = {}
+    for v in (*vars(jc).values(), *jc.config_states.values()):
+        v = getattr(v, "_obj", v)
+        if isinstance(v, kind):
+            found[id(v)] = v
+    for ctx in (_context.ACTIVE, _context.REGISTERED):
+        found[id(ctx._obj)] = ctx._obj
+    return tuple(found.values())
+
+
+def _local_config() -> list[tuple[Any, Any]]:
+    """This thread's own values of :func:`_configs` (``get_local``: a sentinel where unset)."""
+    try:
+        return [(c, c.get_local()) for c in _configs()]
+    except Exception:  # another JAX's configuration objects: the thread's defaults
+        return []
+
+
+@contextlib.contextmanager
+def _config_as(config: list[tuple[Any, Any]]) -> Iterator[None]:
+    """Another thread's configuration (:func:`_local_config`) on this one, for a block."""
+    before = [c.swap_local(v) for c, v in config]
+    try:
+        yield
+    finally:
+        for (c, _), b in zip(config, before):
+            c.set_local(b)
+
+
+class _Again:
+    """Where ``_pjit_call_impl_python`` returns its PGLE profiler: one that asks for the program
+    to be built again (``pjit._need_to_rebuild_with_fdo``). Without it, JAX's C++ dispatch
+    would remember a call answered without an executable as one for its Python path, forever;
+    with it, the call after the compile is JAX's own and fills the C++ cache."""
+
+    @staticmethod
+    def is_enabled() -> bool:
+        return True
+
+    @staticmethod
+    def is_fdo_consumed() -> bool:
+        return False
+
+
+_AGAIN = _Again()
+
+
+class _Ops:
+    """The eager operations run with NumPy, and the thread compiling them, one at a time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queue: list[_OpCompile] = []
+        self._worker: threading.Thread | None = None
+        self.hurry = threading.Event()  # an operation was called again: compile without waiting
+        # program -> {call's shapes and parameters: its compile, or False (compile as JAX does)}
+        self._seen: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
+        self.interpreted = 0  # calls run with NumPy (the tests read it)
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._queue) + (self._worker is not None)
+
+    def first(self, original: Callable[..., Any], args: tuple[Any, ...], params: Any) -> Any:
+        """``_pjit_call_impl_python``'s result for a call run with NumPy, or None (run it as JAX
+        does)."""
+        how = mode()
+        if how == "compile" or _CHECKS_VALUES.value or _CHECKS_INFS.value:
+            return None  # (jax_debug_nans/infs: the compiled program's checks)
+        program = params["jaxpr"]
+        try:
+            with self._lock:
+                table = self._seen.setdefault(program, {})
+                key = (tuple(_aval_key(a) for a in args), tuple(sorted(_params_key(params))))
+                job = table.get(key)
+        except TypeError:  # not hashable or not weakly referenceable: as JAX does
+            return None
+        if job is False or (job is not None and job.done):
+            return None
+        device = _numpy_device(args, params)
+        if job is None and (device is None or not self._interpretable(program, args, how)):
+            table[key] = False
+            return None
+        jaxpr, consts = jaxcompat.closed_parts(program)
+        try:
+            outs = numpyeval.evaluate(jaxpr, consts, [np.asarray(a) for a in args])
+        except Exception:  # NumPy's own failure: compiled, as JAX does
+            table[key] = False
+            return None
+        committed = any(getattr(a, "_committed", False) for a in args)
+        at = device if committed else None
+        arrays = [_array(o, v.aval, at) for o, v in zip(outs, jaxpr.outvars, strict=True)]
+        self.interpreted += 1
+        IDLE.touch()
+        if job is None:
+            job = _OpCompile(original, args, params)
+            with self._lock:
+                table[key] = job
+                self._queue.append(job)
+                if self._worker is None:
+                    self._worker = threading.Thread(
+                        target=self._work, name="hookax-op-compile", daemon=False
+                    )
+                    self._worker.start()
+        else:
+            self.hurry.set()
+            IDLE.wake()
+        return arrays, None, _AGAIN, []
+
+    @staticmethod
+    def _interpretable(program: Any, args: tuple[Any, ...], how: str) -> bool:
+        jaxpr, _ = jaxcompat.closed_parts(program)
+        if jaxpr.effects or len(jaxpr.invars) != len(args) or numpyeval.unsupported(jaxpr):
+            return False
+        if how != "auto":
+            return True
+        held = sum(getattr(a, "nbytes", 0) for a in args)  # kept until compiled
+        return numpyeval.flops(jaxpr) <= OP_FLOP_LIMIT and held + _bytes(jaxpr) <= OP_BYTE_LIMIT
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue or IDLE.closing:
+                    self._queue.clear()  # at exit: compiles nobody will use are dropped
+                    self._worker = None
+                    self.hurry.clear()
+                    return
+                job = self._queue.pop(0)
+            IDLE.wait(self.hurry)
+            if not IDLE.closing:
+                job.run()
+
+    def join(self) -> None:
+        """Compile every pending operation now and wait for them (tests, benchmarks)."""
+        self.hurry.set()
+        IDLE.wake()
+        while True:
+            with self._lock:
+                worker = self._worker
+            if worker is None:
+                return
+            worker.join()
+
+
+OPS = _Ops()
+
+
+def _params_key(params: Any) -> Iterator[tuple[str, Any]]:
+    for k, v in params.items():
+        if k != "jaxpr":
+            hash(v)
+            yield k, v
+
+
+def _numpy_device(args: tuple[Any, ...], params: Any) -> Any:
+    """The CPU device a call's arrays are all on (its results go there), or None where the call
+    is not one to run with NumPy (sharded or on an accelerator, donated buffers, layouts or
+    compiler options of its own)."""
+    if any(params.get("donated_invars", ())) or params.get("compiler_options_kvs"):
+        return None
+    for s in (*params.get("in_shardings", ()), *params.get("out_shardings", ())):
+        if type(s).__name__ != "UnspecifiedValue":
+            return None
+    if any(x is not None for x in (*params.get("in_layouts", ()), *params.get("out_layouts", ()))):
+        return None
+    default = jax.devices()[0]
+    device = None
+    for a in args:
+        if isinstance(a, core.Tracer):
+            return None
+        if not isinstance(a, jax.Array):
+            continue
+        devices = a.devices()
+        if len(devices) != 1:
+            return None
+        (d,) = devices
+        if d.platform != "cpu" or (device is not None and d != device):
+            return None
+        device = d
+    if device is None:  # no array: JAX puts the results where its default says
+        return None
+    if device != default and not any(getattr(a, "_committed", False) for a in args):
+        return None
+    return device

@@ -1,0 +1,158 @@
+"""Eager code under hookax: each program JAX runs (a primitive's one-operation program, one of
+JAX's own ``jax.jit`` functions) runs with NumPy on its first call while XLA compiles it on
+hookax's compile thread; the call after the compile is JAX's own, compiled once."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+import hookax as hx
+from hookax._engine import firstcall
+from hookax._util import jaxcompat
+
+from .test_new_data import compiles
+
+
+class MLP(nnx.Module):
+    def __init__(self, d_in, d_hidden, rngs):
+        self.up = nnx.Linear(d_in, d_hidden, rngs=rngs)
+        self.norm = nnx.LayerNorm(d_hidden, rngs=rngs)
+        self.down = nnx.Linear(d_hidden, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down(jax.nn.gelu(self.norm(self.up(x))))
+
+
+def loss_fn(model, x):
+    return jnp.mean(jax.nn.log_softmax(model(x))[..., 0])
+
+
+def _case(d_hidden):
+    """A model and input of shapes no other test uses: every program is new to JAX's caches."""
+    model = MLP(5, d_hidden, nnx.Rngs(0))
+    x = jnp.linspace(-1.0, 1.0, 4 * 5).reshape(4, 5)
+    return model, x
+
+
+def _values(out):
+    return [np.asarray(v) for v in jax.tree.leaves(out)]
+
+
+def _python_dispatches(monkeypatch):
+    """How many calls take JAX's Python path (a compile, or a call JAX's C++ cache lacks)."""
+    counter = collections.Counter()
+    inner = jaxcompat.pjit._pjit_call_impl_python
+
+    def spy(*args, **params):
+        counter["calls"] += 1
+        return inner(*args, **params)
+
+    monkeypatch.setattr(jaxcompat.pjit, "_pjit_call_impl_python", spy)
+    return counter
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    jax.clear_caches()
+    firstcall.OPS.join()
+    yield
+    firstcall.OPS.join()
+
+
+def test_eager_value_and_grad_runs_numpy_first_and_compiles_each_program_once(monkeypatch):
+    model, x = _case(11)
+    jax.clear_caches()  # (building them compiled programs)
+    with hx.first_call("compile"), compiles() as reference:
+        want = _values(hx.value_and_grad(loss_fn)(model, x))
+    jax.clear_caches()
+    before = firstcall.OPS.interpreted
+    with hx.first_call("auto"):
+        with compiles() as foreground:
+            first = _values(hx.value_and_grad(loss_fn)(model, x))
+        assert firstcall.OPS.interpreted > before  # its programs ran with NumPy
+        # ... instead of being compiled before they ran (the few left: no NumPy form here)
+        assert len(foreground) < len(reference) // 4, (foreground, reference)
+        with compiles() as background:
+            firstcall.OPS.join()
+        seen = firstcall.OPS.interpreted
+        with compiles() as after:
+            again = _values(hx.value_and_grad(loss_fn)(model, x))
+        assert after == [] and firstcall.OPS.interpreted == seen  # compiled, and used
+        dispatches = _python_dispatches(monkeypatch)
+        third = _values(hx.value_and_grad(loss_fn)(model, x))
+    assert dispatches["calls"] == 0  # JAX's C++ dispatch holds every program now
+    # Nothing compiled twice: the same programs as compiling first.
+    assert collections.Counter(foreground + background) == collections.Counter(reference)
+    for a, b, c, w in zip(first, again, third, want, strict=True):
+        np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(b, w)
+        np.testing.assert_array_equal(c, w)
+
+
+def test_eager_capture_at_new_shapes_runs_numpy_first():
+    model, x = _case(13)
+    jax.clear_caches()
+    with hx.first_call("compile"):
+        y_want, acts_want = hx.capture(model)(x)
+    jax.clear_caches()
+    before = firstcall.OPS.interpreted
+    with hx.first_call("auto"), compiles() as names:
+        y, acts = hx.capture(model)(x)
+    assert firstcall.OPS.interpreted > before and len(names) < 4, names
+    np.testing.assert_allclose(y, y_want, rtol=1e-5, atol=1e-6)
+    assert acts.keys() == acts_want.keys()
+    for k in acts:
+        np.testing.assert_allclose(acts[k][0], acts_want[k][0], rtol=1e-5, atol=1e-6)
+
+
+def _double_under_an_entry(x):
+    with hx.intercept(lambda nf, a, k, c: nf(*a, **k), where="nothing/here"):
+        return jnp.sin(x) * 2.0 + 1.0
+
+
+@pytest.mark.parametrize("committed", [True, False])
+def test_results_stay_where_jax_puts_them(committed):
+    device = jax.devices()[-1] if committed else jax.devices()[0]
+    x = jnp.arange(7.0) / 3
+    x = jax.device_put(x, device) if committed else x
+    with hx.first_call("compile"):
+        want = _double_under_an_entry(x)
+    jax.clear_caches()
+    before = firstcall.OPS.interpreted
+    with hx.first_call("interpret"):
+        got = _double_under_an_entry(x)
+    assert firstcall.OPS.interpreted > before
+    assert got.devices() == want.devices() == {device}
+    assert got._committed == want._committed == committed
+    assert got.dtype == want.dtype and got.weak_type == want.weak_type
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_sharded_values_are_compiled_as_jax_does():
+    mesh = jax.make_mesh((len(jax.devices()),), ("d",))
+    x = jax.device_put(jnp.arange(16.0), NamedSharding(mesh, PartitionSpec("d")))
+    before = firstcall.OPS.interpreted
+    with hx.first_call("interpret"):
+        got = _double_under_an_entry(x)
+    assert firstcall.OPS.interpreted == before
+    assert got.sharding.is_equivalent_to(x.sharding, 1)
+
+
+def test_debug_nans_is_checked_by_the_compiled_program():
+    x = -jnp.ones(9)
+    entry = hx.intercept(lambda nf, a, k, c: nf(*a, **k), where="nothing/here")
+    with hx.first_call("interpret"), jax.debug_nans(True), entry, pytest.raises(FloatingPointError):
+        jnp.log(x)
+
+
+def test_nothing_changes_while_hookax_is_idle():
+    x = jnp.arange(5.0) * 0.7
+    before = firstcall.OPS.interpreted
+    with hx.first_call("interpret"):
+        jax.block_until_ready(jnp.cos(x) - 3.0)
+    assert firstcall.OPS.interpreted == before
