@@ -16,6 +16,9 @@ each model ran one forward:
 * ``steering``: 10 greedy tokens with a vector added to block 1's output: a hook on
   ``blocks.1.hook_resid_post`` / ``hx.intercept`` in a ``jax.jit`` step.
 
+A second table gives JAX's own costs on the same model without hookax (:data:`FLOORS`): the
+eager forward, one trace of the forward and of its gradient, and ``jax.jit``'s first call.
+
 hookax runs with its first calls as the user's session has them (``hx.first_call("auto")``:
 small programs run with NumPy while XLA compiles) and, in other processes, compiled
 (``"compile"``). Figures: first call, and the warm call (min of 5), milliseconds; min over
@@ -127,6 +130,57 @@ def _sides(workflow: str) -> tuple[Any, Any, Any]:
     return s, tl, lambda: hx.patch_grid(s.nnx, (jc,), (jx,), hx_metric, **target)
 
 
+FLOORS = {
+    "eager forward (warm)": "the model run eagerly, its programs compiled: an eager capture",
+    "make_jaxpr(forward)": "one trace of the model: any traced question",
+    "make_jaxpr(grad)": "one trace of a gradient of the model: attribution",
+    "jax.jit(forward) first call": "trace, compile, run: a jax.jit step (steering)",
+}
+
+
+def floors() -> dict[str, float]:
+    """JAX's own costs on the same model, without hookax (seconds): what a JAX first call of
+    each kind cannot go under."""
+    import jax
+    from flax import nnx
+
+    from tests.parity import compare
+
+    s = compare.build(n_ctx=N_CTX + NEW_TOKENS, batch=1)
+    jc = s.jclean[:, :N_CTX]
+    model = s.nnx
+    graphdef, state = nnx.split(model)
+
+    def forward(st: Any, x: Any) -> Any:
+        return nnx.merge(graphdef, st)(x)
+
+    def diff(st: Any, x: Any) -> Any:
+        logits = forward(st, x)
+        return logits[0, -1, compare.ANSWER] - logits[0, -1, compare.WRONG]
+
+    jax.block_until_ready(model(jc))
+
+    def best(fn: Any, n: int = 5) -> float:
+        out = float("inf")
+        for _ in range(n):
+            t = time.perf_counter()
+            _ready(fn())
+            out = min(out, time.perf_counter() - t)
+        return out
+
+    return {
+        "eager forward (warm)": best(lambda: model(jc)),
+        # a new function each time: a trace, not JAX's trace cache
+        "make_jaxpr(forward)": best(
+            lambda: jax.make_jaxpr(lambda a, b: forward(a, b))(state, jc).consts
+        ),
+        "make_jaxpr(grad)": best(
+            lambda: jax.make_jaxpr(jax.grad(lambda a, b: diff(a, b)))(state, jc).consts
+        ),
+        "jax.jit(forward) first call": best(lambda: jax.jit(forward)(state, jc), 1),
+    }
+
+
 def _ready(x: Any) -> Any:
     import jax
 
@@ -216,8 +270,16 @@ def main() -> dict[str, Any] | None:
     )
     head = ("workflow", "TL first", "hookax first", "ratio", "compiled", "TL warm", "warm")
     print(table(rows, head))
+    runs = [_run_child("floors", "-", "-") for _ in range(2 * PAIRS)]
+    floor = {k: min(r[k] for r in runs) * 1e3 for k in FLOORS}
+    results["jax floors"] = floor
+    print(f"\nJAX alone on the same model (no hookax), ms, min of {2 * PAIRS} processes:\n")
+    print(table([(k, f"{v:.1f}", FLOORS[k]) for k, v in floor.items()], ("", "ms", "a floor for")))
     return results
 
 
 if __name__ == "__main__":
-    print(json.dumps(child(sys.argv[1], sys.argv[2], sys.argv[3] == "True")))
+    if sys.argv[1] == "floors":
+        print(json.dumps(floors()))
+    else:
+        print(json.dumps(child(sys.argv[1], sys.argv[2], sys.argv[3] == "True")))

@@ -156,3 +156,41 @@ def test_nothing_changes_while_hookax_is_idle():
     with hx.first_call("interpret"):
         jax.block_until_ready(jnp.cos(x) - 3.0)
     assert firstcall.OPS.interpreted == before
+
+
+def _eqx_case():
+    import equinox as eqx
+
+    model = eqx.nn.MLP(5, 3, 9, 2, key=jax.random.key(0))
+    x = jnp.linspace(-1.0, 1.0, 5)
+    return model, x
+
+
+def _linen_case():
+    import flax.linen as nn
+
+    model = nn.Sequential([nn.Dense(9), nn.tanh, nn.Dense(3)])
+    x = jnp.linspace(-1.0, 1.0, 10).reshape(2, 5)
+    variables = model.init(jax.random.key(0), x)
+    return (lambda v, x: model.apply(v, x)), variables, x
+
+
+@pytest.mark.parametrize("kind", ["equinox", "linen"])
+def test_eager_value_and_grad_on_other_frameworks(kind):
+    if kind == "equinox":
+        model, x = _eqx_case()
+        fn = hx.value_and_grad(lambda m, x: jnp.sum(jnp.tanh(m(x))), where="layers/*")
+    else:
+        apply, model, x = _linen_case()
+        fn = hx.value_and_grad(lambda v, x: jnp.sum(jnp.tanh(apply(v, x))))
+    jax.clear_caches()
+    with hx.first_call("compile"):
+        want = _values(fn(model, x))
+    jax.clear_caches()
+    before = firstcall.OPS.interpreted
+    with hx.first_call("auto"):
+        got = _values(fn(model, x))
+    assert firstcall.OPS.interpreted > before
+    assert len(got) == len(want)
+    for a, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-6)

@@ -23,6 +23,12 @@ exactly as XLA does (float32, float64, integers, bool; not bfloat16 or float16),
 come to at most :data:`FLOP_LIMIT` FLOPs and its intermediate values to at most
 :data:`BYTE_LIMIT` bytes, and otherwise compiles. Values agree with the compiled program's to
 float rounding (operations add in another order), as JAX's eager operations do.
+
+The same choice applies to eager code run while hookax is active or inside an eager
+``hx.value_and_grad`` (:data:`OPS`): each program JAX would compile before running it (a
+primitive's one-operation program, one of JAX's own ``jax.jit`` functions, at new shapes) runs
+with NumPy on its first call when it is at most :data:`OP_FLOP_LIMIT` FLOPs and
+:data:`OP_BYTE_LIMIT` bytes, and one background thread compiles those programs.
 """
 
 from __future__ import annotations
@@ -84,7 +90,10 @@ def first_call(how: str = "auto") -> Iterator[None]:
     ``"interpret"``: run with NumPy, operation by operation (when every operation has a NumPy
     form; otherwise compiled), and compiled on a background thread for the next call;
     ``"compile"``: compiled first, as ``jax.jit`` does; ``"auto"``: interpret small programs
-    (see ``docs/benchmarks.md``), compile the rest.
+    (see ``docs/benchmarks.md``), compile the rest. It covers hookax's programs (grids,
+    attribution, sweeps, circuits) and the programs of eager code run under hookax (a model
+    called outside ``jax.jit`` inside ``hx.capture``, ``hx.intercept``, an eager
+    ``hx.value_and_grad``).
 
     Examples:
       >>> import hookax as hx
