@@ -194,3 +194,22 @@ def test_eager_value_and_grad_on_other_frameworks(kind):
     assert len(got) == len(want)
     for a, w in zip(got, want, strict=True):
         np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-6)
+
+
+def test_results_of_programs_given_no_array_go_to_the_default_device():
+    def make():
+        with hx.intercept(lambda nf, a, k, c: nf(*a, **k), where="nothing/here"):
+            return jnp.full((4,), 2.5, jnp.float32) * 3.0
+
+    for device in (None, jax.devices()[2]):
+        with jax.default_device(device):
+            with hx.first_call("compile"):
+                want = make()
+            jax.clear_caches()
+            before = firstcall.OPS.interpreted
+            with hx.first_call("interpret"):
+                got = make()
+        assert firstcall.OPS.interpreted > before
+        assert got.devices() == want.devices() and got._committed == want._committed
+        np.testing.assert_array_equal(got, want)
+        firstcall.OPS.join()

@@ -135,13 +135,14 @@ def framework_mode(fn: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _zeros(records: list[Any]) -> list[list[Any]]:
-    return [
-        [
-            jnp.zeros(a.shape, a.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else None
-            for a in avals
+    with _eager.eager_workflow():  # eagerly: NumPy first, as the gradient's own programs
+        return [
+            [
+                jnp.zeros(a.shape, a.dtype) if jnp.issubdtype(a.dtype, jnp.inexact) else None
+                for a in avals
+            ]
+            for _, _, avals, _ in records
         ]
-        for _, _, avals, _ in records
-    ]
 
 
 def value_and_grad(

@@ -577,8 +577,10 @@ def _numpy_device(args: tuple[Any, ...], params: Any) -> Any:
         if d.platform != "cpu" or (device is not None and d != device):
             return None
         device = d
-    if device is None:  # no array: JAX puts the results where its default says
-        return None
+    if device is None:  # no array: the results go to JAX's default device
+        chosen = jaxcompat.config.default_device.value
+        device = default if chosen is None else chosen
+        return device if getattr(device, "platform", None) == "cpu" else None
     if device != default and not any(getattr(a, "_committed", False) for a in args):
         return None
     return device
