@@ -10,6 +10,8 @@ user's session does.
 """
 
 import os
+import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -20,6 +22,16 @@ os.environ.setdefault("HOOKAX_FIRST_CALL", "compile")
 def _natural_width(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("COLUMNS", raising=False)
     monkeypatch.delenv("LINES", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _eager_compiles_end_with_their_test() -> Iterator[None]:
+    """Eager programs a test ran with NumPy are compiled before the next test starts (a compile
+    from one test never lands in another's compile count)."""
+    yield
+    firstcall = sys.modules.get("hookax._engine.firstcall")
+    if firstcall is not None:
+        firstcall.OPS.join()
 
 
 PASTED = "tests/test_docs_pages.py::test_page_runs_pasted_into_a_fresh_interpreter["

@@ -63,3 +63,6 @@ def compiled_programs() -> None:
     for thread in threading.enumerate():
         if thread.name == "hookax-compile":
             thread.join()  # it starts once hookax has been idle for firstcall.IDLE_S
+    from hookax._engine import firstcall
+
+    firstcall.OPS.join()  # eager programs run with NumPy first

@@ -270,6 +270,7 @@ def _wait_for_background_compiles():
     for thread in threading.enumerate():
         if thread.name == "hookax-compile":
             thread.join()
+    firstcall.OPS.join()  # the eager programs
 
 
 @pytest.mark.parametrize("name", WORKFLOWS)

@@ -29,6 +29,11 @@ program becomes part of the outer one, compiled with it.
 
 Callbacks run the user's Python while a program runs, so programs with effects (and callback
 primitives) keep the entries. Nothing changes while no entry is active and no hook registered.
+
+A program JAX compiles before running it eagerly while hookax is active, or inside
+:class:`eager_workflow` (an eager ``hx.value_and_grad``, whose backward pass runs after its
+entries are gone), runs with NumPy on its first call under ``hx.first_call("auto")`` and is
+compiled on a background thread (:data:`~.firstcall.OPS`).
 """
 
 from __future__ import annotations
