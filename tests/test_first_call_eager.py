@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 import hookax as hx
-from hookax._engine import firstcall
+from hookax._engine import eager, firstcall
 from hookax._util import jaxcompat
 
 from .test_new_data import compiles
@@ -111,7 +111,9 @@ def test_eager_capture_at_new_shapes_runs_numpy_first():
 
 
 def _double_under_an_entry(x):
-    with hx.intercept(lambda nf, a, k, c: nf(*a, **k), where="nothing/here"):
+    """Eager operations inside a hookax workflow (the block ``hx.capture`` and
+    ``hx.value_and_grad`` run the user's code in), with an entry active."""
+    with eager.eager_workflow(), hx.intercept(lambda nf, a, k, c: nf(*a, **k), where="no/site"):
         return jnp.sin(x) * 2.0 + 1.0
 
 
@@ -145,8 +147,12 @@ def test_sharded_values_are_compiled_as_jax_does():
 
 def test_debug_nans_is_checked_by_the_compiled_program():
     x = -jnp.ones(9)
-    entry = hx.intercept(lambda nf, a, k, c: nf(*a, **k), where="nothing/here")
-    with hx.first_call("interpret"), jax.debug_nans(True), entry, pytest.raises(FloatingPointError):
+    with (
+        hx.first_call("interpret"),
+        jax.debug_nans(True),
+        eager.eager_workflow(),
+        pytest.raises(FloatingPointError),
+    ):
         jnp.log(x)
 
 
@@ -156,6 +162,17 @@ def test_nothing_changes_while_hookax_is_idle():
     with hx.first_call("interpret"):
         jax.block_until_ready(jnp.cos(x) - 3.0)
     assert firstcall.OPS.interpreted == before
+
+
+def test_a_no_op_interceptor_around_eager_code_changes_no_value():
+    model, x = _case(17)
+    plain = model(x)
+    jax.clear_caches()
+    before = firstcall.OPS.interpreted
+    with hx.first_call("interpret"), hx.intercept(lambda nf, a, k, c: nf(*a, **k)):
+        got = model(x)  # XLA's programs, as without hookax
+    assert firstcall.OPS.interpreted == before
+    np.testing.assert_array_equal(got, plain)
 
 
 def _eqx_case():
@@ -198,7 +215,7 @@ def test_eager_value_and_grad_on_other_frameworks(kind):
 
 def test_results_of_programs_given_no_array_go_to_the_default_device():
     def make():
-        with hx.intercept(lambda nf, a, k, c: nf(*a, **k), where="nothing/here"):
+        with eager.eager_workflow():
             return jnp.full((4,), 2.5, jnp.float32) * 3.0
 
     for device in (None, jax.devices()[2]):

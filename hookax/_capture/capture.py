@@ -20,6 +20,7 @@ import jax
 import numpy as np
 
 from .._engine import adapters as _adapters
+from .._engine import eager as _eager
 from .._engine.select import (
     ALL_METHODS,
     CALL_ONLY,
@@ -654,7 +655,8 @@ def _forward(fn: Any, run: Callable[..., Any], bound: int | None) -> Callable[..
     """The function ``hx.capture`` returns: ``run(*args) -> (y, acts, steps)``, checked."""
 
     def forward(*args: Any, **kwargs: Any) -> tuple[Any, ...]:
-        y, acts, steps = run(*args, **kwargs)
+        with _eager.eager_workflow():  # run eagerly: its new programs with NumPy first
+            y, acts, steps = run(*args, **kwargs)
         if bound is None:
             return y, acts
         check_steps("hx.capture", bound, steps)

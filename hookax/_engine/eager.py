@@ -30,10 +30,12 @@ program becomes part of the outer one, compiled with it.
 Callbacks run the user's Python while a program runs, so programs with effects (and callback
 primitives) keep the entries. Nothing changes while no entry is active and no hook registered.
 
-A program JAX compiles before running it eagerly while hookax is active, or inside
-:class:`eager_workflow` (an eager ``hx.value_and_grad``, whose backward pass runs after its
-entries are gone), runs with NumPy on its first call under ``hx.first_call("auto")`` and is
-compiled on a background thread (:data:`~.firstcall.OPS`).
+A program JAX compiles before running it eagerly inside one of hookax's workflows
+(:class:`eager_workflow`: ``hx.capture``, ``hx.value_and_grad``, whose backward pass runs
+after its entries are gone, ``hx.value_grad_and_stats``) runs with NumPy on its first call under
+``hx.first_call("auto")`` and is compiled on a background thread (:data:`~.firstcall.OPS`).
+Code the user runs eagerly under ``hx.intercept`` or registered hooks keeps XLA's programs
+(a no-op interceptor changes no value).
 """
 
 from __future__ import annotations
@@ -97,13 +99,8 @@ class _Operation:
         self.fun = fun
 
     def __call__(self, *args: Any) -> Any:
-        was = getattr(_LOCAL, "op", False)
-        _LOCAL.op = True  # for _programs: hookax is active around this eager operation
-        try:
-            with _at_defaults():
-                return self.fun(*args)
-        finally:
-            _LOCAL.op = was
+        with _at_defaults():
+            return self.fun(*args)
 
 
 def _operations(original: Any) -> Any:
@@ -120,20 +117,20 @@ def _operations(original: Any) -> Any:
 def _programs(original: Any) -> Any:
     @functools.wraps(original)
     def _pjit_call_impl_python(*args: Any, **params: Any) -> Any:
-        op = getattr(_LOCAL, "op", False)
         region = getattr(_LOCAL, "workflow", False)
-        idle = _idle() and not op
+        idle = _idle()
         if (idle and not region) or _jaxcompat.closed_parts(params["jaxpr"])[0].effects:
             return original(*args, **params)
-        _LOCAL.op = _LOCAL.workflow = False
+        _LOCAL.workflow = False
         try:
             with contextlib.nullcontext() if idle else _at_defaults():
-                quick = _firstcall.OPS.first(original, args, params)
-                if quick is not None:
-                    return quick
+                if region:  # a hookax workflow run eagerly: NumPy first
+                    quick = _firstcall.OPS.first(original, args, params)
+                    if quick is not None:
+                        return quick
                 return original(*args, **params)
         finally:
-            _LOCAL.op, _LOCAL.workflow = op, region
+            _LOCAL.workflow = region
 
     return _pjit_call_impl_python
 
@@ -188,10 +185,10 @@ def _same(p: Any, q: Any) -> bool:
 
 
 class eager_workflow:
-    """A block in which a hookax workflow runs the user's code eagerly (``hx.value_and_grad``
-    called outside ``jax.jit``): its programs, hookax's entries active or not (JAX's backward
-    pass runs after the forward's entries are gone), run with NumPy on their first call
-    (:data:`~.firstcall.OPS`)."""
+    """A block in which a hookax workflow runs the user's code eagerly (``hx.capture``,
+    ``hx.value_and_grad`` called outside ``jax.jit``): its programs, hookax's entries active or
+    not (JAX's backward pass runs after the forward's entries are gone), run with NumPy on their
+    first call (:data:`~.firstcall.OPS`)."""
 
     __slots__ = ("_was",)
 

@@ -24,8 +24,8 @@ come to at most :data:`FLOP_LIMIT` FLOPs and its intermediate values to at most
 :data:`BYTE_LIMIT` bytes, and otherwise compiles. Values agree with the compiled program's to
 float rounding (operations add in another order), as JAX's eager operations do.
 
-The same choice applies to eager code run while hookax is active or inside an eager
-``hx.value_and_grad`` (:data:`OPS`): each program JAX would compile before running it (a
+The same choice applies to hookax's workflows run eagerly (``hx.capture``,
+``hx.value_and_grad``; :data:`OPS`): each program JAX would compile before running it (a
 primitive's one-operation program, one of JAX's own ``jax.jit`` functions, at new shapes) runs
 with NumPy on its first call when it is at most :data:`OP_FLOP_LIMIT` FLOPs and
 :data:`OP_BYTE_LIMIT` bytes, and one background thread compiles those programs.
@@ -91,9 +91,8 @@ def first_call(how: str = "auto") -> Iterator[None]:
     form; otherwise compiled), and compiled on a background thread for the next call;
     ``"compile"``: compiled first, as ``jax.jit`` does; ``"auto"``: interpret small programs
     (see ``docs/benchmarks.md``), compile the rest. It covers hookax's programs (grids,
-    attribution, sweeps, circuits) and the programs of eager code run under hookax (a model
-    called outside ``jax.jit`` inside ``hx.capture``, ``hx.intercept``, an eager
-    ``hx.value_and_grad``).
+    attribution, sweeps, circuits) and the programs of hookax's workflows run eagerly
+    (``hx.capture``, ``hx.value_and_grad`` of a model called outside ``jax.jit``).
 
     Examples:
       >>> import hookax as hx
@@ -351,8 +350,8 @@ def program(static_argnums: int | tuple[int, ...] = ()) -> Callable[[Callable[..
 
 # --- Eager operations --------------------------------------------------------------------------
 #
-# Code run eagerly while hookax is active (``hx.value_and_grad``, ``hx.capture`` or
-# ``hx.intercept`` around a model called outside ``jax.jit``) runs each primitive as a
+# hookax's workflows run eagerly (``hx.value_and_grad``, ``hx.capture`` of a model called
+# outside ``jax.jit``: ``eager.eager_workflow``) run each primitive as a
 # one-operation program, and each of JAX's own ``jax.jit`` functions as its program, compiled on
 # first use with each new set of shapes: a 3-layer GPT's first eager ``hx.value_and_grad``
 # compiled 144 of them (4 s), for a computation that takes 0.25 s once they are compiled. Under
