@@ -66,3 +66,17 @@ def compiled_programs() -> None:
     from hookax._engine import firstcall
 
     firstcall.OPS.join()  # eager programs run with NumPy first
+
+
+def child_json(module: str, *args: str) -> dict[str, float]:
+    """Run ``python -m benchmarks.<module> *args`` in a fresh process; its last line of output,
+    read as JSON."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", f"benchmarks.{module}", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
 
-from benchmarks._timing import table
+from benchmarks._timing import child_json, table
 
 WORKFLOWS = ("value_and_grad", "value_grad_and_stats", "capture, new length", "nnx (no hookax)")
 MODES = ("auto", "compile")
@@ -72,11 +71,7 @@ def child(workflow: str, mode: str) -> dict[str, float]:
 
 
 def _run_child(*args: str) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "benchmarks.bench_eager_first", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_json("bench_eager_first", *args)
 
 
 def main() -> dict[str, Any]:
@@ -109,13 +104,13 @@ def main() -> dict[str, Any]:
     )
     head = (
         "workflow",
-        "first auto",
-        "first compile",
+        "1st auto",
+        "1st comp",
         "gain",
         "2nd auto",
-        "2nd compile",
+        "2nd comp",
         "warm auto",
-        "warm compile",
+        "warm comp",
     )
     print(table(rows, head))
     return results

@@ -33,12 +33,11 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
 
-from benchmarks._timing import compiled_programs, table
+from benchmarks._timing import child_json, compiled_programs, table
 
 WORKFLOWS = ("cache", "resid grid", "head grid", "head x position", "attribution", "steering")
 MODES = ("auto", "compile")
@@ -131,10 +130,10 @@ def _sides(workflow: str) -> tuple[Any, Any, Any]:
 
 
 FLOORS = {
-    "eager forward (warm)": "the model run eagerly, its programs compiled: an eager capture",
-    "make_jaxpr(forward)": "one trace of the model: any traced question",
-    "make_jaxpr(grad)": "one trace of a gradient of the model: attribution",
-    "jax.jit(forward) first call": "trace, compile, run: a jax.jit step (steering)",
+    "eager forward (warm)": "an eager capture",
+    "make_jaxpr(forward)": "any traced question",
+    "make_jaxpr(grad)": "attribution (a gradient's trace)",
+    "jax.jit(forward) first call": "a jax.jit step (steering)",
 }
 
 
@@ -217,11 +216,7 @@ def child(workflow: str, mode: str, tl_first: bool) -> dict[str, float]:
 
 
 def _run_child(*args: str) -> dict[str, float]:
-    cmd = [sys.executable, "-m", "benchmarks.bench_firstcall_tl", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return child_json("bench_firstcall_tl", *args)
 
 
 def main() -> dict[str, Any] | None:

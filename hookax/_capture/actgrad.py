@@ -289,23 +289,12 @@ def _differentiate(
     Called eagerly, the programs JAX runs (the forward's and the backward pass's operations)
     run with NumPy the first time (``hookax._engine.eager.eager_workflow``)."""
     with _eager.eager_workflow():
-        return _differentiate_now(inner, mode, nums_pos, has_aux, args, perturbs)
-
-
-def _differentiate_now(
-    inner: Callable[..., Any],
-    mode: Any,
-    nums_pos: tuple[int, ...],
-    has_aux: bool,
-    args: tuple[Any, ...],
-    perturbs: Any,
-) -> tuple[Any, Any]:
-    if mode == "equinox":
-        return _eqx_value_and_grad(inner, nums_pos, has_aux, args, perturbs)
-    if mode:
-        return _nnx_value_and_grad(inner, nums_pos, has_aux, args, perturbs)
-    vg = jax.value_and_grad(inner, argnums=(*nums_pos, len(args)), has_aux=has_aux)
-    return vg(*args, perturbs)
+        if mode == "equinox":
+            return _eqx_value_and_grad(inner, nums_pos, has_aux, args, perturbs)
+        if mode:
+            return _nnx_value_and_grad(inner, nums_pos, has_aux, args, perturbs)
+        vg = jax.value_and_grad(inner, argnums=(*nums_pos, len(args)), has_aux=has_aux)
+        return vg(*args, perturbs)
 
 
 def _nnx_value_and_grad(
