@@ -193,6 +193,7 @@ class eager_workflow:
     __slots__ = ("_was",)
 
     def __enter__(self) -> None:
+        install()  # the block acts through the wrapped eager steps
         self._was = getattr(_LOCAL, "workflow", False)
         _LOCAL.workflow = True
 

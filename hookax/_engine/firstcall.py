@@ -456,10 +456,6 @@ class _Ops:
         self._seen: weakref.WeakKeyDictionary[Any, dict[Any, Any]] = weakref.WeakKeyDictionary()
         self.interpreted = 0  # calls run with NumPy (the tests read it)
 
-    def pending(self) -> int:
-        with self._lock:
-            return len(self._queue) + (self._worker is not None)
-
     def first(self, original: Callable[..., Any], args: tuple[Any, ...], params: Any) -> Any:
         """``_pjit_call_impl_python``'s result for a call run with NumPy, or None (run it as JAX
         does)."""
@@ -562,7 +558,8 @@ def _numpy_device(args: tuple[Any, ...], params: Any) -> Any:
             return None
     if any(x is not None for x in (*params.get("in_layouts", ()), *params.get("out_layouts", ()))):
         return None
-    default = jax.devices()[0]
+    chosen = jaxcompat.config.default_device.value  # a jax.default_device block's, or None
+    default = jax.devices()[0] if chosen is None else chosen
     device = None
     for a in args:
         if isinstance(a, core.Tracer):
@@ -577,9 +574,7 @@ def _numpy_device(args: tuple[Any, ...], params: Any) -> Any:
             return None
         device = d
     if device is None:  # no array: the results go to JAX's default device
-        chosen = jaxcompat.config.default_device.value
-        device = default if chosen is None else chosen
-        return device if getattr(device, "platform", None) == "cpu" else None
+        return default if getattr(default, "platform", None) == "cpu" else None
     if device != default and not any(getattr(a, "_committed", False) for a in args):
-        return None
+        return None  # uncommitted arrays off the default device: JAX's own placement
     return device
