@@ -583,7 +583,10 @@ def test_eap_scores_are_the_hand_gradients_and_circuits_the_two_runs(kind):
     assert set(edges) == {(s, r) for r in RECEIVERS for s in UPSTREAM[r]} and len(edges) == 29
     for edge, want in eap_by_hand(case, CHECKED).items():
         assert edges[edge] == pytest.approx(want, rel=1e-4, abs=1e-5), edge
-    np.testing.assert_array_equal(hx.run_circuit(fn, clean, corrupt, edges), fn(*clean))
+    # every edge kept: the clean output (an eager vmap of an Equinox module rounds apart from
+    # one compiled program by about 1e-7 on JAX 0.12)
+    full = hx.run_circuit(fn, clean, corrupt, edges)
+    np.testing.assert_allclose(full, fn(*clean), rtol=1e-6, atol=1e-6)
     none = hx.run_circuit(fn, clean, corrupt, edges.top(0))
     np.testing.assert_allclose(none, fn(*corrupt), atol=1e-5)
     # one edge cut: the receiver reads the sender's corrupted value (the hand forward)

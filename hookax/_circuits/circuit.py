@@ -81,9 +81,10 @@ def run_circuit(
 
     Each receiver reads its input in this run plus, for each sender whose edge to it is not in
     the circuit, ``sender_corrupt - sender_here``: the sender's value in the corrupted run in
-    place of its value in this run. Every edge given: the clean output (exactly: the
-    corrections are multiplied by 0); none: the corrupted output (up to rounding). One
-    compiled program for every circuit of the same model and shapes.
+    place of its value in this run. Every edge given: the clean output (the corrections are
+    multiplied by 0; equal to ``jax.jit(fn)``'s output, and to eager ``fn``'s up to float
+    rounding); none: the corrupted output (up to rounding). One compiled program for every
+    circuit of the same model and shapes.
 
     Args:
       fn: the model or function.
