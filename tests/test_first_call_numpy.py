@@ -315,6 +315,24 @@ def test_one_compile_per_question_and_new_data_reuses_it():
         assert names.count("jit(_grid)") == 1, names
 
 
+def test_the_background_compile_is_under_the_callers_jax_configuration():
+    # JAX keys its compiles by the calling thread's configuration (here a context manager of
+    # its own): the compile thread runs under the caller's, or its compile is not the one the
+    # next call looks up and that call compiles again
+    model, clean, corrupt = _gpt(batch=5)  # shapes no other test uses: a new question
+    fn = WORKFLOWS["resid grid"]
+    with hx.first_call("interpret"), jax.default_matmul_precision("highest"):
+        before = _interpreted()
+        first = _values(fn(model, clean, corrupt))
+        assert _interpreted() == before + 1
+        _wait_for_background_compiles()
+        with compiles() as names:
+            again = _values(fn(model, clean, corrupt))
+    assert [n for n in names if n in PROGRAMS] == [], names
+    for a, b in zip(first, again, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 PATHS = {"senders": ["embed", "L0H0", "L0H1"], "receivers": ["L1H0.k", "logits"]}
 
 

@@ -171,6 +171,44 @@ if _at_exit is not None:
     _at_exit(IDLE.close)
 
 
+@functools.cache
+def _configs() -> tuple[Any, ...]:
+    """JAX's configuration states (its flags, its context managers' states) and hookax's keys:
+    what a trace context is made of, but the trace state itself. A compile thread runs under
+    its caller's (:func:`_local_config`): JAX keys its lowering and compile caches by them, so
+    a compile under a thread's defaults is not the one the caller's next call looks for."""
+    from jax._src import config as jc
+
+    kind = type(jc.abstract_mesh_context_manager)
+    found: dict[int, Any] = {}
+    for v in (*vars(jc).values(), *jc.config_states.values()):
+        v = getattr(v, "_obj", v)
+        if isinstance(v, kind):
+            found[id(v)] = v
+    for ctx in (_context.ACTIVE, _context.REGISTERED):
+        found[id(ctx._obj)] = ctx._obj
+    return tuple(found.values())
+
+
+def _local_config() -> list[tuple[Any, Any]]:
+    """This thread's own values of :func:`_configs` (``get_local``: a sentinel where unset)."""
+    try:
+        return [(c, c.get_local()) for c in _configs()]
+    except Exception:  # another JAX's configuration objects: the thread's defaults
+        return []
+
+
+@contextlib.contextmanager
+def _config_as(config: list[tuple[Any, Any]]) -> Iterator[None]:
+    """Another thread's configuration (:func:`_local_config`) on this one, for a block."""
+    before = [c.swap_local(v) for c, v in config]
+    try:
+        yield
+    finally:
+        for (c, _), b in zip(config, before):
+            c.set_local(b)
+
+
 class _Compiling:
     """The background compile of a program interpreted once."""
 
@@ -180,14 +218,14 @@ class _Compiling:
         self.error: BaseException | None = None
         self.jaxpr = traced.jaxpr
         self.now = threading.Event()  # set: compile without waiting for hookax to be idle
-        active = _context._ACTIVE_VALUE.value
+        config = _local_config()  # the caller's, as the next call's cache lookup sees it
 
         def run() -> None:
             try:
                 IDLE.wait(self.now)
                 if IDLE.closing:
                     return
-                with _context.ACTIVE(active):
+                with _config_as(config):
                     traced.lower().compile()
             except BaseException as e:  # the next call compiles in the foreground and raises
                 self.error = e
@@ -388,42 +426,6 @@ class _OpCompile:
             pass
         finally:
             self.done = True
-
-
-@functools.cache
-def _configs() -> tuple[Any, ...]:
-    """JAX's configuration states (its flags, its context managers' states) and hookax's keys:
-    what a trace context is made of, but the trace state itself."""
-    from jax._src import config as jc
-
-    kind = type(jc.abstract_mesh_context_manager)
-    found: dict[int, Any] = {}
-    for v in (*vars(jc).values(), *jc.config_states.values()):
-        v = getattr(v, "_obj", v)
-        if isinstance(v, kind):
-            found[id(v)] = v
-    for ctx in (_context.ACTIVE, _context.REGISTERED):
-        found[id(ctx._obj)] = ctx._obj
-    return tuple(found.values())
-
-
-def _local_config() -> list[tuple[Any, Any]]:
-    """This thread's own values of :func:`_configs` (``get_local``: a sentinel where unset)."""
-    try:
-        return [(c, c.get_local()) for c in _configs()]
-    except Exception:  # another JAX's configuration objects: the thread's defaults
-        return []
-
-
-@contextlib.contextmanager
-def _config_as(config: list[tuple[Any, Any]]) -> Iterator[None]:
-    """Another thread's configuration (:func:`_local_config`) on this one, for a block."""
-    before = [c.swap_local(v) for c, v in config]
-    try:
-        yield
-    finally:
-        for (c, _), b in zip(config, before):
-            c.set_local(b)
 
 
 class _Again:
